@@ -1,0 +1,36 @@
+# Two commands do all the set-up: `make run` and `make test`.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+export PYTHONWARNINGS := ignore
+export TOKENIZERS_PARALLELISM := false
+export PREFECT_LOGGING_LEVEL ?= WARNING
+export RAY_DEDUP_LOGS := 1
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: run test test-fast install clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The default pipeline end to end: dvc repro runs prepare -> clean -> sft -> train -> evaluate (Prefect flows).
+run: $(STAMP)
+	$(VENV)/bin/dvc repro
+	$(VENV)/bin/dvc metrics show
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
+clean:
+	rm -rf data/raw data/clean data/quarantine checkpoints metrics mlruns.db mlartifacts dvc.lock

@@ -1,0 +1,1 @@
+"""reinforge's library: everything but orchestration. Nothing here imports Prefect."""

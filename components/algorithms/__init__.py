@@ -1,0 +1,1 @@
+"""The RL core: advantage estimators, policy losses, KL estimators and loss aggregation."""

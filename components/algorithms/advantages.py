@@ -1,0 +1,127 @@
+"""Advantage estimators: pure tensor functions, one signature, in one registry.
+
+Every estimator is `fn(token_rewards, response_mask, group_ids, values, params) -> (advantages, returns)`:
+  token_rewards (B, T) float: reward per response token (the sequence score sits on its last token)
+  response_mask (B, T) {0,1}: 1 on generated tokens
+  group_ids     (B,)   long: responses to the same prompt share an id
+  values        (B, T) float or None: critic values (GAE only)
+returns advantages (B, T) and returns (B, T), both zero where response_mask is 0.
+Formulas follow verl's core_algos (see ../shared/reference/anchors.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from components.algorithms.registry import Registry
+
+ADVANTAGES: Registry = Registry("advantage estimator", "algorithm.adv_estimator")
+
+
+@dataclass(frozen=True)
+class AdvantageParams:
+    norm_adv_by_std: bool = True  # GRPO: divide by the group std (False = Dr.GRPO)
+    epsilon: float = 1e-6  # added to the std before dividing
+    gamma: float = 1.0  # discount (GAE, REINFORCE++)
+    lam: float = 1.0  # GAE lambda
+
+
+def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-response group mean, unbiased std and group size. scores (B,), group_ids (B,) -> 3 x (B,).
+
+    A group of one gets mean 0 and std 1, as in verl, so its advantage is its raw score.
+    """
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    count = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, inverse, torch.ones_like(scores))
+    total = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, inverse, scores)
+    mean = total / count
+    sq = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, inverse, (scores - mean[inverse]) ** 2)
+    std = torch.sqrt(sq / (count - 1).clamp(min=1))
+    single = count == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    return mean[inverse], std[inverse], count[inverse]
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked entries (unbiased variance); zero outside the mask."""
+    n = mask.sum()
+    mean = (x * mask).sum() / n
+    var = (((x - mean) ** 2) * mask).sum() / (n - 1).clamp(min=1)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    adv = per_seq[:, None] * mask
+    return adv, adv
+
+
+@ADVANTAGES.register("grpo")
+def grpo(token_rewards, response_mask, group_ids, values, params: AdvantageParams):
+    """GRPO (arXiv 2402.03300): A_i = (r_i - mean_g) / (std_g + eps); Dr.GRPO drops the division."""
+    scores = (token_rewards * response_mask).sum(-1)
+    mean, std, _ = group_stats(scores, group_ids)
+    adv = scores - mean
+    if params.norm_adv_by_std:
+        adv = adv / (std + params.epsilon)
+    return _broadcast(adv, response_mask)
+
+
+@ADVANTAGES.register("rloo")
+def rloo(token_rewards, response_mask, group_ids, values, params: AdvantageParams):
+    """RLOO (arXiv 2402.14740): A_i = r_i - mean of the others = n/(n-1) (r_i - mean_g); a group of one keeps r_i."""
+    scores = (token_rewards * response_mask).sum(-1)
+    mean, _, count = group_stats(scores, group_ids)
+    scale = torch.where(count > 1, count / (count - 1).clamp(min=1), torch.ones_like(count))
+    return _broadcast((scores - mean) * scale, response_mask)
+
+
+@ADVANTAGES.register("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline(token_rewards, response_mask, group_ids, values, params: AdvantageParams):
+    """REINFORCE++-baseline (arXiv 2501.03262): r_i - mean_g broadcast over tokens, then whitened over the batch."""
+    scores = (token_rewards * response_mask).sum(-1)
+    mean, _, _ = group_stats(scores, group_ids)
+    adv = masked_whiten((scores - mean)[:, None] * response_mask, response_mask)
+    return adv, adv
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1} over masked tokens. (B, T) -> (B, T)."""
+    out = torch.zeros_like(token_rewards)
+    running = torch.zeros(token_rewards.shape[0], dtype=token_rewards.dtype)
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + gamma * running * mask[:, t]
+        out[:, t] = running
+        running = running * mask[:, t]
+    return out * mask
+
+
+@ADVANTAGES.register("reinforce_plus_plus")
+def reinforce_plus_plus(token_rewards, response_mask, group_ids, values, params: AdvantageParams):
+    """REINFORCE++: discounted return per token, whitened over the batch; returns are the raw returns."""
+    returns = discounted_returns(token_rewards * response_mask, response_mask, params.gamma)
+    return masked_whiten(returns, response_mask), returns
+
+
+@ADVANTAGES.register("gae")
+def gae(token_rewards, response_mask, group_ids, values, params: AdvantageParams):
+    """GAE (arXiv 1506.02438): delta_t = r_t + gamma V_{t+1} - V_t; A_t = delta_t + gamma lam A_{t+1};
+    returns = A + V; advantages whitened over the masked tokens. Masked positions are skipped."""
+    if values is None:
+        raise ValueError("gae needs critic values; use algorithm.name=ppo, which trains a critic")
+    B, T = token_rewards.shape
+    adv = torch.zeros_like(token_rewards)
+    next_value = torch.zeros(B, dtype=values.dtype)
+    next_adv = torch.zeros(B, dtype=values.dtype)
+    for t in reversed(range(T)):
+        m = response_mask[:, t]
+        delta = token_rewards[:, t] + params.gamma * next_value - values[:, t]
+        a = delta + params.gamma * params.lam * next_adv
+        adv[:, t] = a * m
+        next_value = torch.where(m > 0, values[:, t], next_value)
+        next_adv = torch.where(m > 0, a, next_adv)
+    returns = (adv + values) * response_mask
+    return masked_whiten(adv, response_mask), returns

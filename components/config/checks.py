@@ -1,0 +1,56 @@
+"""Cross-field checks: combinations that no single field can rule out, each with its fix."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+from components.errors import ConfigError
+
+if TYPE_CHECKING:
+    from components.config.schema import Config
+
+# engine.type -> (python module, install command); the hf engine ships with the core install.
+ENGINE_PACKAGES = {
+    "vllm": ("vllm", "pip install 'reinforge[gpu]'  (vllm, needs a CUDA GPU)"),
+    "sglang": ("sglang", "pip install 'reinforge[gpu]'  (sglang, needs a CUDA GPU)"),
+    "trtllm": ("tensorrt_llm", "pip install tensorrt-llm  (needs a CUDA GPU)"),
+}
+
+
+def check_combinations(cfg: "Config") -> None:
+    """Raise one ConfigError listing every impossible combination in `cfg`."""
+    from components.algorithms import presets
+
+    problems: list[str] = []
+    try:
+        presets.resolve(cfg.algorithm)
+    except KeyError as exc:
+        problems.append(str(exc.args[0]))
+    if cfg.engine.type in ENGINE_PACKAGES:
+        module, install = ENGINE_PACKAGES[cfg.engine.type]
+        if importlib.util.find_spec(module) is None:
+            problems.append(f"engine.type={cfg.engine.type}: package `{module}` is not installed. "
+                            f"Install it with `{install}`, or set engine.type=hf.")
+    group_needed = cfg.algorithm.adv_estimator in (None, "grpo", "dr_grpo", "rloo")
+    if group_needed and cfg.engine.n < 2:
+        problems.append(f"engine.n={cfg.engine.n}: {cfg.algorithm.name} compares completions of one prompt, "
+                        "so it needs engine.n >= 2.")
+    responses = cfg.data.batch_size * cfg.engine.n
+    if responses % cfg.trainer.num_workers:
+        problems.append(f"trainer.num_workers={cfg.trainer.num_workers}: data.batch_size x engine.n = {responses} "
+                        "responses must split evenly across workers; change one of them.")
+    mini = cfg.actor.ppo_mini_batch_size
+    if mini is not None and responses % mini:
+        problems.append(f"actor.ppo_mini_batch_size={mini} must divide data.batch_size x engine.n = {responses}.")
+    micro = cfg.actor.ppo_micro_batch_size
+    if micro is not None and (mini or responses) % micro:
+        problems.append(f"actor.ppo_micro_batch_size={micro} must divide the mini-batch ({mini or responses}).")
+    if cfg.data.max_prompt_len + cfg.engine.max_new_tokens > cfg.actor.model.max_seq_len:
+        problems.append(f"actor.model.max_seq_len={cfg.actor.model.max_seq_len} is shorter than "
+                        f"data.max_prompt_len + engine.max_new_tokens = "
+                        f"{cfg.data.max_prompt_len + cfg.engine.max_new_tokens}; raise it or shorten those.")
+    if cfg.sft.hidden_size % cfg.sft.num_heads:
+        problems.append(f"sft.num_heads={cfg.sft.num_heads} must divide sft.hidden_size={cfg.sft.hidden_size}.")
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

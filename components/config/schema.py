@@ -1,0 +1,141 @@
+"""Typed configuration: one pydantic model per section, one line of help per field.
+
+Key names follow verl's guide (`algorithm.beta`, `actor.optimizer.lr`, `engine.n`, ...). Every model
+forbids unknown keys, so a typo fails before any work starts; `components.config.load` turns the
+pydantic error into one that names the key and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys are errors, values are checked on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class AlgorithmConfig(Section):
+    name: str = Field("grpo", description="algorithm preset: grpo, dr_grpo or rloo")
+    adv_estimator: str | None = Field(None, description="advantage estimator; None = the preset's")
+    beta: float = Field(0.0, ge=0, description="KL-to-reference loss coefficient (0 disables the reference)")
+    kl_loss_type: str = Field("low_var_kl", description="KL estimator: k1, abs, mse/k2, low_var_kl/k3")
+    clip_epsilon: float = Field(0.2, gt=0, lt=1, description="PPO clip range for the importance ratio")
+    clip_ratio_high: float | None = Field(None, gt=0, description="upper clip (DAPO clip-higher); None = clip_epsilon")
+    clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages")
+    policy_loss: str = Field("vanilla", description="policy loss from the registry")
+    loss_agg_mode: str | None = Field(None, description="loss aggregation; None = the preset's")
+    norm_adv_by_std: bool | None = Field(None, description="divide GRPO advantages by group std; None = preset")
+    entropy_coeff: float = Field(0.0, ge=0, description="entropy bonus coefficient")
+
+
+class ModelConfig(Section):
+    path: str = Field("checkpoints/sft", description="local Hugging Face causal-LM directory")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype")
+    max_seq_len: int = Field(64, gt=0, description="prompt + response token limit")
+    attention_implementation: Literal["eager", "sdpa", "flash_attention_2"] = Field(
+        "sdpa", description="attention kernel passed to transformers")
+
+
+class OptimizerConfig(Section):
+    type: Literal["adamw", "adam", "sgd"] = Field("adamw", description="torch optimizer")
+    lr: float = Field(1e-4, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up steps, then constant")
+    grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
+
+
+class ActorConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig, description="policy model")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="policy optimizer")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
+    ppo_mini_batch_size: int | None = Field(None, ge=1, description="responses per optimizer step; None = all")
+    ppo_micro_batch_size: int | None = Field(None, ge=1, description="responses per forward pass (grad accumulation)")
+
+
+class EngineConfig(Section):
+    type: Literal["hf", "vllm", "sglang", "trtllm"] = Field("hf", description="rollout engine")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature (0 = greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
+    n: int = Field(8, ge=1, description="completions sampled per prompt")
+    max_new_tokens: int = Field(16, ge=1, description="response length limit")
+
+
+class RewardModelConfig(Section):
+    style: Literal["rule"] = Field("rule", description="reward source; rule = scorer chosen by data_source")
+    format_score: float = Field(0.0, description="reward for an extracted but wrong answer")
+    method: Literal["strict", "flexible"] = Field("strict", description="GSM8K answer extraction")
+
+
+class DataConfig(Section):
+    train_path: str = Field("data/clean/train.parquet", description="cleaned training parquet")
+    eval_path: str = Field("data/clean/test.parquet", description="cleaned held-out parquet")
+    raw_dir: str = Field("data/raw", description="where `prepare` writes raw parquet")
+    quarantine_dir: str = Field("data/quarantine", description="where rejected rows go, with a reason")
+    batch_size: int = Field(32, ge=1, description="prompts per RL iteration")
+    shuffle: bool = Field(True, description="shuffle prompts each epoch")
+    max_prompt_len: int = Field(16, ge=1, description="prompts longer than this (tokens) are quarantined")
+    num_train: int = Field(4000, ge=1, description="generated training problems")
+    num_eval: int = Field(200, ge=1, description="generated held-out problems")
+    max_operand: int = Field(99, ge=1, description="largest operand of a generated problem")
+    operations: list[Literal["+", "-", "*"]] = Field(["+"], description="operators used by the generator")
+    gsm8k_path: str | None = Field(None, description="local GSM8K jsonl/parquet to import instead")
+
+
+class SFTConfig(Section):
+    base_model: str | None = Field(None, description="local HF model to start from; None = build the tiny model")
+    output_dir: str = Field("checkpoints/sft", description="where the SFT model is saved (HF format)")
+    steps: int = Field(300, ge=0, description="optimizer steps")
+    batch_size: int = Field(64, ge=1, description="examples per step")
+    lr: float = Field(1e-3, gt=0, description="learning rate (linear decay)")
+    hidden_size: int = Field(128, ge=8, description="tiny model width")
+    num_layers: int = Field(2, ge=1, description="tiny model depth")
+    num_heads: int = Field(4, ge=1, description="tiny model attention heads")
+    intermediate_size: int = Field(512, ge=8, description="tiny model MLP width")
+
+
+class TrainerConfig(Section):
+    iterations: int = Field(60, ge=1, description="RL iterations")
+    save_interval: int = Field(20, ge=1, description="checkpoint every N iterations (and at the end)")
+    test_interval: int = Field(10, ge=1, description="evaluate every N iterations (and at the end)")
+    seed: int = Field(0, description="seed of every RNG")
+    save_optimizer: bool = Field(False, description="store optimizer state in checkpoints")
+    output_dir: str = Field("checkpoints/grpo", description="checkpoints and the final model")
+    num_workers: int = Field(1, ge=1, description="policy workers (Ray actors)")
+    num_threads: int = Field(2, ge=1, description="torch threads per worker")
+    experiment_name: str = Field("reinforge", description="MLflow experiment")
+    eval_k: int = Field(4, ge=1, description="samples per prompt for mean@k / pass@k")
+    eval_size: int | None = Field(None, ge=1, description="held-out prompts evaluated (None = all)")
+    progress: bool = Field(True, description="show a progress display")
+
+
+class MemoryOptimConfig(Section):
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
+
+
+class MixedPrecisionConfig(Section):
+    enabled: bool = Field(False, description="autocast the update")
+    dtype: Literal["bf16", "fp16"] = Field("bf16", description="autocast dtype")
+
+
+class Config(Section):
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="RL algorithm")
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="policy and its optimizer")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="rollout engine")
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="rewards")
+    data: DataConfig = Field(default_factory=DataConfig, description="datasets")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="supervised warm start")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="loop, seeds, outputs")
+    memory_optim: MemoryOptimConfig = Field(default_factory=MemoryOptimConfig, description="memory options")
+    mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig, description="precision")
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "Config":
+        from components.config.checks import check_combinations
+
+        check_combinations(self)
+        return self

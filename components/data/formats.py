@@ -1,0 +1,103 @@
+"""verl's row format, the arithmetic task generator, and the GSM8K importer.
+
+A row: data_source (str), prompt (chat messages), ability (str), reward_model {style, ground_truth},
+extra_info {split, index, answer, question}.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+
+from components.data.io import read_rows
+from components.errors import DataError
+
+ARITH_SOURCE = "arith"
+GSM8K_SOURCE = "openai/gsm8k"
+
+ROW_SCHEMA = pa.schema([
+    ("data_source", pa.string()),
+    ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("ability", pa.string()),
+    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()),
+                              ("question", pa.string())])),
+])
+
+
+def make_row(source: str, question: str, answer: str, ground_truth: str, split: str, index: int,
+             ability: str = "math") -> dict:
+    return {
+        "data_source": source,
+        "prompt": [{"role": "user", "content": question}],
+        "ability": ability,
+        "reward_model": {"style": "rule", "ground_truth": ground_truth},
+        "extra_info": {"split": split, "index": index, "answer": answer, "question": question},
+    }
+
+
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+def arithmetic_rows(num_train: int, num_eval: int, max_operand: int, operations: list[str],
+                    seed: int) -> tuple[list[dict], list[dict]]:
+    """Distinct two-operand problems `a+b=` with answers `#### N`, split into disjoint train and eval sets."""
+    problems = [(a, op, b) for op in operations for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    if num_train + num_eval > len(problems):
+        raise DataError(f"data.num_train + data.num_eval = {num_train + num_eval} exceeds the {len(problems)} "
+                        "distinct problems; raise data.max_operand or ask for fewer")
+    random.Random(seed).shuffle(problems)
+
+    def rows(chunk, split):
+        out = []
+        for i, (a, op, b) in enumerate(chunk):
+            result = _OPS[op](a, b)
+            out.append(make_row(ARITH_SOURCE, f"{a}{op}{b}=", f"#### {result}", str(result), split, i))
+        return out
+
+    return rows(problems[:num_train], "train"), rows(problems[num_train:num_train + num_eval], "test")
+
+
+_GSM8K_ANSWER = re.compile(r"####\s*(-?[0-9.,]+)")
+
+
+def gsm8k_rows(path: str | Path, split: str) -> list[dict]:
+    """Import a local GSM8K file (`question` / `answer` columns, jsonl or parquet) into the row format.
+
+    Ground truth is the text after `#### ` with commas removed. A row whose answer has no `#### N` keeps an
+    empty ground truth, so cleaning quarantines it with a reason instead of dropping it here.
+    """
+    df = read_rows(path, key="data.gsm8k_path")
+    missing = {"question", "answer"} - set(df.columns)
+    if missing:
+        raise DataError(f"data.gsm8k_path={path}: columns {sorted(missing)} missing; a GSM8K file has "
+                        "`question` and `answer`")
+    out = []
+    for i, rec in enumerate(df.to_dict("records")):
+        answer = rec.get("answer") if isinstance(rec.get("answer"), str) else ""
+        match = _GSM8K_ANSWER.search(answer)
+        truth = match.group(1).replace(",", "") if match else ""
+        question = rec.get("question") if isinstance(rec.get("question"), str) else ""
+        out.append(make_row(GSM8K_SOURCE, question, answer, truth, split, i))
+    return out
+
+
+def prompt_text(prompt) -> str | None:
+    """The user-visible text of a prompt (chat messages or a plain string), or None if malformed."""
+    if isinstance(prompt, str):
+        return prompt
+    try:
+        parts = [m["content"] for m in list(prompt)]
+    except (TypeError, KeyError):
+        return None
+    if not all(isinstance(p, str) for p in parts):
+        return None
+    return "".join(parts)
+
+
+def as_frame(rows: list[dict]) -> pd.DataFrame:
+    return pd.DataFrame(rows)

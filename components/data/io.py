@@ -1,0 +1,62 @@
+"""Reading and atomically writing row files (parquet or jsonl)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from components.errors import DataError
+
+
+def read_rows(path: str | Path, key: str = "data path") -> pd.DataFrame:
+    """Rows of a parquet or jsonl file; a missing or unreadable file is a DataError naming it."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{key}: {p} does not exist. Run `reinforge prepare` (or `dvc repro`) to create it, "
+                        "or fix the path in your config.")
+    try:
+        if p.suffix in (".jsonl", ".json"):
+            return pd.read_json(p, lines=p.suffix == ".jsonl", dtype=False)
+        return pq.read_table(p).to_pandas()
+    except Exception as exc:  # pyarrow and pandas raise many types for a bad file
+        raise DataError(f"{key}: {p} could not be read as {p.suffix or 'parquet'}: {exc}") from None
+
+
+def write_atomic(path: str | Path, write) -> Path:
+    """Call write(tmp_path), fsync, then rename over `path`: readers never see a partial file."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(p.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return p
+
+
+def write_parquet(rows: list[dict], path: str | Path, schema: pa.Schema | None = None) -> Path:
+    """Write dict rows as parquet, atomically; deterministic bytes for the same rows."""
+    table = pa.Table.from_pylist(rows, schema=schema)
+    return write_atomic(path, lambda tmp: pq.write_table(table, tmp))
+
+
+def write_json(obj, path: str | Path) -> Path:
+    """Write JSON atomically (sorted keys, so equal content gives equal bytes)."""
+    text = json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n"
+    return write_atomic(path, lambda tmp: Path(tmp).write_text(text))

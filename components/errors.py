@@ -1,0 +1,17 @@
+"""Errors users see. Each names what was wrong (a key, a row, a file) and what to do."""
+
+
+class ReinforgeError(Exception):
+    """Base class: a problem in the user's input or environment, not a bug in reinforge."""
+
+
+class ConfigError(ReinforgeError, ValueError):
+    """A config key has a bad value, an unknown name or an impossible combination."""
+
+
+class DataError(ReinforgeError):
+    """A data file is missing, unreadable or has no usable rows."""
+
+
+class CheckpointError(ReinforgeError):
+    """A checkpoint is missing, incomplete or fails its checksum."""

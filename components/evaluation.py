@@ -1,0 +1,49 @@
+"""Held-out evaluation: greedy accuracy and mean@k / pass@k per data_source."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from components.rewards.registry import score_batch
+from components.rollout.base import SamplingParams
+
+
+def accuracy_metrics(scores: list[float], sources: list[str], k: int, prefix: str = "val") -> dict[str, float]:
+    """scores: row-major (prompt, sample) with k samples per prompt. acc = mean score; pass@k = any correct."""
+    by_source: dict[str, list[list[float]]] = defaultdict(list)
+    for i in range(0, len(scores), k):
+        by_source[sources[i]].append(scores[i:i + k])
+    out = {}
+    for source, groups in by_source.items():
+        name = source.replace("/", "_")
+        out[f"{prefix}/{name}/acc_mean_at_{k}"] = sum(sum(g) / k for g in groups) / len(groups)
+        out[f"{prefix}/{name}/pass_at_{k}"] = sum(max(g) >= 1.0 for g in groups) / len(groups)
+    return out
+
+
+def evaluate(worker, rows: list[dict], reward_cfg, k: int, max_new_tokens: int, seed: int,
+             temperature: float = 1.0, batch_size: int = 256) -> dict[str, float]:
+    """Greedy accuracy (`val/<source>/acc`) and sampled mean@k / pass@k on `rows` with a rollout worker."""
+    results: dict[str, float] = {}
+    for mode, params in (("greedy", SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)),
+                         ("sampled", SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens))):
+        scores: list[float] = []
+        sources: list[str] = []
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start:start + batch_size]
+            batch = worker.generate(chunk, params, seed=seed + start, iteration=-1)
+            texts = worker.decode(batch)
+            nt = batch.non_tensors
+            s, _ = score_batch(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"], reward_cfg)
+            scores += s
+            sources += nt["data_source"]
+        if mode == "greedy":
+            by: dict[str, list[float]] = defaultdict(list)
+            for s_, src in zip(scores, sources):
+                by[src].append(s_)
+            for src, vals in by.items():
+                results[f"val/{src.replace('/', '_')}/acc"] = sum(vals) / len(vals)
+            results["val/acc"] = sum(scores) / len(scores)
+        else:
+            results.update(accuracy_metrics(scores, sources, k))
+    return results

@@ -1,0 +1,34 @@
+"""A non-blocking file lock so that two runs of one pipeline never train at once."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+from components.errors import ReinforgeError
+
+
+class AlreadyRunning(ReinforgeError):
+    """Another process holds the pipeline's lock."""
+
+
+@contextmanager
+def exclusive(path: str | Path, what: str):
+    """Hold an flock on `path` for the block; AlreadyRunning (naming the holder's pid) if taken."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise AlreadyRunning(f"{what} is already running (pid {holder}, lock {p}); this run exits without "
+                                 "training. Wait for it to finish.") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)

@@ -1,0 +1,45 @@
+"""Load and save any local Hugging Face causal LM (the tiny default or a real one) the same way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from components.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _check_dir(path: str | Path, key: str) -> Path:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"{key}={path}: no Hugging Face model there (config.json missing). Run `reinforge sft` "
+                          "first, or point it at a local model directory; nothing is downloaded.")
+    return p
+
+
+def load_tokenizer(path: str | Path, key: str = "actor.model.path") -> PreTrainedTokenizerBase:
+    """The tokenizer saved beside the model, left-padded for batched generation."""
+    tok = AutoTokenizer.from_pretrained(_check_dir(path, key), local_files_only=True)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str | Path, dtype: str = "float32", attn: str = "sdpa",
+               key: str = "actor.model.path") -> PreTrainedModel:
+    """A causal LM from local disk only, in `dtype`, with the named attention kernel."""
+    return AutoModelForCausalLM.from_pretrained(_check_dir(path, key), dtype=DTYPES[dtype],
+                                                attn_implementation=attn, local_files_only=True)
+
+
+def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: str | Path) -> Path:
+    """Save model (safetensors) and tokenizer in Hugging Face format."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

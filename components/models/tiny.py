@@ -1,0 +1,46 @@
+"""The embedded default model: a small Qwen2 causal LM (transformers' own class) and a character tokenizer.
+
+Nothing is downloaded: the tokenizer's vocabulary is printable ASCII plus three special tokens, and the
+model is initialised from a seed.
+"""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+# A chat template that joins message contents: the tiny model has no roles, real models bring their own.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character (newline included); decode joins them back."""
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *chars])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.padding_side = "left"
+    return fast
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, *, hidden_size: int, num_layers: int, num_heads: int,
+                     intermediate_size: int, max_positions: int, seed: int) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2ForCausalLM sized for a 2-core CPU. Seeded: same args, same weights."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+        max_position_embeddings=max_positions, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        use_cache=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    return model

@@ -1,0 +1,46 @@
+"""Scorers keyed by `data_source`, and scoring of a whole batch with invalid values counted."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Callable
+
+from components.rewards import gsm8k
+
+Scorer = Callable[..., float]
+
+REWARDS: dict[str, Callable[..., Scorer]] = {
+    # data_source -> factory(reward_model config) -> scorer(response_text, ground_truth, extra_info)
+    "arith": lambda rm: partial(gsm8k.score, method=rm.method, format_score=rm.format_score),
+    "openai/gsm8k": lambda rm: partial(gsm8k.score, method=rm.method, format_score=rm.format_score),
+}
+
+
+def scorer_for(data_source: str, reward_cfg) -> Scorer:
+    if data_source not in REWARDS:
+        raise KeyError(f"data_source={data_source!r}: no reward scorer registered; known sources: "
+                       f"{', '.join(sorted(REWARDS))}. Register one in components/rewards/registry.py.")
+    return REWARDS[data_source](reward_cfg)
+
+
+def score_batch(texts: list[str], ground_truths: list[str], data_sources: list[str], extra_infos: list[dict],
+                reward_cfg) -> tuple[list[float], int]:
+    """Scores per response and the number of invalid ones (None, NaN, inf), which score 0.
+
+    A scorer that raises is a bug: the error names the sample and is not retried.
+    """
+    scores, invalid = [], 0
+    cache: dict[str, Scorer] = {}
+    for i, (text, truth, source, extra) in enumerate(zip(texts, ground_truths, data_sources, extra_infos)):
+        fn = cache.get(source) or cache.setdefault(source, scorer_for(source, reward_cfg))
+        try:
+            value = fn(text, truth, extra)
+        except Exception as exc:
+            raise RuntimeError(f"reward scorer for data_source={source!r} failed on sample {i} "
+                               f"(response {text[:80]!r}, ground truth {truth!r}): {exc!r}") from exc
+        if value is None or not isinstance(value, (int, float)) or not math.isfinite(value):
+            invalid += 1
+            value = 0.0
+        scores.append(float(value))
+    return scores, invalid

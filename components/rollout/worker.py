@@ -1,0 +1,48 @@
+"""A rollout worker: tokenizer + engine; rows in, Batch out. Run as a Ray actor by the training flow."""
+
+from __future__ import annotations
+
+import torch
+
+from components.batch import Batch
+from components.models.loading import load_model, load_tokenizer
+from components.rl import encode_prompts, rollout_batch
+from components.rollout.base import SamplingParams, make_engine
+
+
+class RolloutWorker:
+    def __init__(self, model_path: str, engine_type: str = "hf", dtype: str = "float32", attn: str = "sdpa",
+                 num_threads: int = 2):
+        torch.set_num_threads(num_threads)
+        self.tokenizer = load_tokenizer(model_path)
+        model = load_model(model_path, dtype, attn)
+        self.engine = make_engine(engine_type, model=model, eos_id=self.tokenizer.eos_token_id,
+                                  pad_id=self.tokenizer.pad_token_id)
+
+    def weights_version(self) -> int:
+        return self.engine.weights_version
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
+        self.engine.update_weights(state_dict, version)
+        return self.engine.weights_version
+
+    def generate(self, rows: list[dict], params: SamplingParams, seed: int, iteration: int,
+                 expect_version: int | None = None) -> Batch:
+        """Sample params.n completions per row; refuses to sample with weights older than expect_version."""
+        if expect_version is not None and self.engine.weights_version != expect_version:
+            raise RuntimeError(f"rollout engine holds weights version {self.engine.weights_version}, "
+                               f"the policy is at {expect_version}: sync weights before sampling")
+        prompt_ids = encode_prompts(self.tokenizer, rows)
+        out = self.engine.generate(prompt_ids, params, seed)
+        return rollout_batch(rows, prompt_ids, out, params.n, self.tokenizer.pad_token_id, iteration)
+
+    def decode(self, batch: Batch) -> list[str]:
+        from components.rl import decode_responses
+
+        return decode_responses(self.tokenizer, batch)
+
+    def evaluate(self, rows: list[dict], reward_cfg, k: int, max_new_tokens: int, seed: int,
+                 temperature: float = 1.0) -> dict[str, float]:
+        from components.evaluation import evaluate
+
+        return evaluate(self, rows, reward_cfg, k, max_new_tokens, seed, temperature)

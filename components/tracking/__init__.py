@@ -1,0 +1,1 @@
+"""Tracking (MLflow) and checkpoints."""

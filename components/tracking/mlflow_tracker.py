@@ -1,0 +1,116 @@
+"""MLflow tracking with embedded defaults: a SQLite file and an artifact folder in the project.
+
+`MLFLOW_TRACKING_URI` is honoured. Metric names are sanitised (MLflow rejects '@'), and each step is
+logged once: a step already logged is refused, so a resumed run never logs it twice.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.tracking import MlflowClient
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+_BAD = re.compile(r"[^A-Za-z0-9_\-./ ]")
+
+
+def default_tracking_uri(root: Path = PROJECT_ROOT) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlruns.db'}"
+
+
+def metric_name(name: str) -> str:
+    """MLflow-safe metric name: '@' becomes '_at_', other rejected characters become '_'."""
+    return _BAD.sub("_", name.replace("@", "_at_"))
+
+
+def git_commit(root: Path = PROJECT_ROOT) -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def setup(experiment: str, root: Path = PROJECT_ROOT) -> str:
+    """Point MLflow at the tracking URI and make sure the experiment exists; returns its id."""
+    uri = default_tracking_uri(root)
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is not None:
+        return exp.experiment_id
+    location = None
+    if uri.startswith("sqlite:"):
+        location = (root / "mlartifacts" / experiment).resolve().as_uri()
+    return client.create_experiment(experiment, artifact_location=location)
+
+
+class Tracker:
+    """One MLflow run: params, tags, per-step metrics (each step once), artifacts."""
+
+    def __init__(self, experiment: str, run_name: str, run_id: str | None = None, root: Path = PROJECT_ROOT):
+        self.experiment_id = setup(experiment, root)
+        self.client = MlflowClient(default_tracking_uri(root))
+        if run_id is None:
+            run_id = self.client.create_run(self.experiment_id, run_name=run_name).info.run_id
+        else:
+            self.client.update_run(run_id, status="RUNNING")
+        self.run_id = run_id
+        self._logged_steps = self._steps_already_logged()
+
+    def _steps_already_logged(self) -> set[int]:
+        run = self.client.get_run(self.run_id)
+        steps: set[int] = set()
+        for key in run.data.metrics:
+            steps |= {m.step for m in self.client.get_metric_history(self.run_id, key)}
+        return steps
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        existing = self.client.get_run(self.run_id).data.params
+        fresh = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in existing]
+        for i in range(0, len(fresh), 100):
+            self.client.log_batch(self.run_id, params=fresh[i:i + 100])
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> bool:
+        """Log every metric at `step` in one batch; returns False (and logs nothing) if the step was logged."""
+        if step in self._logged_steps:
+            return False
+        from mlflow.entities import Metric
+        import time
+
+        now = int(time.time() * 1000)
+        items = [Metric(metric_name(k), float(v), now, step) for k, v in metrics.items()]
+        for i in range(0, len(items), 500):
+            self.client.log_batch(self.run_id, metrics=items[i:i + 500])
+        self._logged_steps.add(step)
+        return True
+
+    def log_summary(self, metrics: dict[str, float]) -> None:
+        """Metrics outside the per-iteration series (final evaluations), logged at step 0 of their own names."""
+        from mlflow.entities import Metric
+        import time
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(metric_name(k), float(v), now, 0)
+                                                    for k, v in metrics.items()])
+
+    def log_artifacts(self, local_dir: str | Path, artifact_path: str) -> None:
+        self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)
+
+    def log_artifact(self, local_file: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(local_file), artifact_path)
+
+    def end(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)

@@ -1,0 +1,1 @@
+"""Training: SFT warm start, the policy update, and the Ray workers that run it."""

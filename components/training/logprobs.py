@@ -1,0 +1,36 @@
+"""Per-token log-probs and entropy of responses under a causal LM."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+
+def sequence_inputs(prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
+                    response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenate left-padded prompts (N, P) and right-padded responses (N, R) -> ids, mask, positions (N, P+R)."""
+    ids = torch.cat([prompts, responses], dim=1)
+    mask = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, positions
+
+
+def response_logprobs(model: PreTrainedModel, prompts: torch.Tensor, prompt_mask: torch.Tensor,
+                      responses: torch.Tensor, response_mask: torch.Tensor, temperature: float = 1.0,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(response_t | prefix) (N, R) and, if asked, the entropy of each step's distribution (N, R).
+
+    Logits are divided by the sampling temperature, as the rollout engine did when it sampled.
+    """
+    ids, mask, positions = sequence_inputs(prompts, prompt_mask, responses, response_mask)
+    P, R = prompts.shape[1], responses.shape[1]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    logits = logits[:, P - 1:P + R - 1, :].float()  # (N, R, V): position t predicts response token t
+    if temperature not in (0, 1):
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, responses[..., None]).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy

@@ -1,0 +1,72 @@
+"""Supervised warm start: next-token loss on the answer tokens only (prompt tokens are masked out)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass
+class SFTExample:
+    prompt_ids: list[int]
+    answer_ids: list[int]  # ends with EOS
+
+
+def encode_examples(tokenizer: PreTrainedTokenizerBase, prompts: list[list[dict]], answers: list[str]
+                    ) -> list[SFTExample]:
+    out = []
+    for messages, answer in zip(prompts, answers):
+        p = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        out.append(SFTExample(tokenizer(p, add_special_tokens=False)["input_ids"],
+                              tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]))
+    return out
+
+
+def collate(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids, attention_mask and labels (-100 on prompt and padding). All (B, L)."""
+    width = max(len(e.prompt_ids) + len(e.answer_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        seq = e.prompt_ids + e.answer_ids
+        ids[i, :len(seq)] = torch.tensor(seq)
+        mask[i, :len(seq)] = 1
+        labels[i, len(e.prompt_ids):len(seq)] = torch.tensor(e.answer_ids)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def train_sft(model: PreTrainedModel, examples: list[SFTExample], *, steps: int, batch_size: int, lr: float,
+              pad_id: int, seed: int, final_lr_frac: float = 1.0, on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """AdamW over shuffled examples, lr decaying linearly to lr * final_lr_frac; returns the loss per step.
+
+    The default keeps lr constant: a run that ends at lr ~ 0 settles where the loss is very sharp, and the
+    first RL steps from there overshoot (measured: one SGD step of norm 0.05 along the SFT gradient takes
+    greedy accuracy from 0.67 to 0.06 after a decayed schedule).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - (1.0 - final_lr_frac) * s / max(steps, 1))
+    model.train()
+    losses: list[float] = []
+    order = torch.randperm(len(examples), generator=gen).tolist()
+    cursor = 0
+    for step in range(steps):
+        if cursor + batch_size > len(order):
+            order, cursor = torch.randperm(len(examples), generator=gen).tolist(), 0
+        batch = collate([examples[i] for i in order[cursor:cursor + batch_size]], pad_id)
+        cursor += batch_size
+        loss = model(**batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step + 1, losses[-1])
+    model.eval()
+    return losses

@@ -1,0 +1,1 @@
+"""Prefect flows: each only puts tasks in order."""

@@ -1,0 +1,35 @@
+"""Data flow: prepare (generate or import) then clean."""
+
+from __future__ import annotations
+
+import sys
+
+from prefect import flow
+
+from components.config import load_config
+from flows._args import config_parser, run_cli
+from tasks.data import clean_data, prepare_data
+
+
+@flow(name="rl-data")
+def data_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | None = None,
+              steps: tuple[str, ...] = ("prepare", "clean")) -> dict:
+    cfg = load_config(config, overrides or [])
+    out: dict = {}
+    if "prepare" in steps:
+        out["raw"] = prepare_data(cfg)
+    if "clean" in steps:
+        out["clean"] = [r.__dict__ for r in clean_data(cfg)]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = config_parser("Prepare and clean the datasets.")
+    p.add_argument("--step", choices=["prepare", "clean", "all"], default="all")
+    a = p.parse_args(argv)
+    steps = ("prepare", "clean") if a.step == "all" else (a.step,)
+    return run_cli(data_flow, a.config, a.overrides, steps)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Evaluation flow: the SFT checkpoint against the final GRPO model on the held-out split.
+
+`python -m flows.evaluate --config configs/arith_grpo.yaml` writes metrics/eval.json (the DVC stage);
+`python -m flows.evaluate --model_path DIR --eval_data FILE --metric math_acc` scores one model.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from prefect import flow
+
+from components.config import load_config
+from components.errors import ConfigError
+from flows._args import config_parser, run_cli
+from tasks.evaluate import METRICS, evaluate_model, write_eval
+from tasks.tracking import read_run_info
+
+
+@flow(name="rl-evaluate")
+def evaluate_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | None = None,
+                  output: str = "metrics/eval.json") -> dict:
+    cfg = load_config(config, overrides or [])
+    run = read_run_info(cfg.trainer.output_dir)
+    final = str(Path(cfg.trainer.output_dir) / "final")
+    results = {"sft": evaluate_model(cfg.sft.output_dir, cfg.data.eval_path, cfg),
+               "final": evaluate_model(final, cfg.data.eval_path, cfg),
+               "iterations": run.get("iterations"), "train_wall_seconds": run.get("wall_seconds")}
+    results["gain"] = {"acc": results["final"]["acc"] - results["sft"]["acc"]}
+    write_eval(results, output, run)
+    return results
+
+
+@flow(name="rl-evaluate-model")
+def evaluate_one_flow(model_path: str, eval_data: str, config: str = "configs/arith_grpo.yaml",
+                      overrides: list[str] | None = None) -> dict:
+    return evaluate_model(model_path, eval_data, load_config(config, overrides or []))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = config_parser("Evaluate held-out accuracy (greedy acc, mean@k, pass@k).")
+    p.add_argument("--model_path", help="evaluate this model directory alone")
+    p.add_argument("--eval_data", help="held-out parquet/jsonl (with --model_path)")
+    p.add_argument("--metric", default="math_acc", help=f"metric: {', '.join(METRICS)}")
+    p.add_argument("--output", default="metrics/eval.json", help="where the SFT-vs-final metrics go")
+    a = p.parse_args(argv)
+    if a.metric not in METRICS:
+        print(f"error: --metric {a.metric}: unknown; valid: {', '.join(METRICS)}", file=sys.stderr)
+        return 2
+    if a.model_path:
+        if not a.eval_data:
+            return run_cli(_raise, ConfigError("--model_path needs --eval_data FILE (a held-out parquet)"))
+        return run_cli(evaluate_one_flow, a.model_path, a.eval_data, a.config, a.overrides)
+    return run_cli(evaluate_flow, a.config, a.overrides, a.output)
+
+
+def _raise(exc: Exception):
+    raise exc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""SFT flow: the supervised warm start."""
+
+from __future__ import annotations
+
+import sys
+
+from prefect import flow
+
+from components.config import load_config
+from flows._args import config_parser, run_cli
+from tasks.sft import run_sft
+
+
+@flow(name="rl-sft")
+def sft_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | None = None) -> str:
+    return run_sft(load_config(config, overrides or []))
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = config_parser("Supervised warm start: build the tiny model (or load sft.base_model) and fine-tune it.")\
+        .parse_args(argv)
+    return run_cli(sft_flow, a.config, a.overrides)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

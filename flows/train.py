@@ -1,0 +1,86 @@
+"""The RL training flow: gen -> reward -> adv -> update_actor -> update_weights -> testing -> checkpoint.
+
+Every stage is a task; this flow only orders them, times them and decides when to test and save.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import datetime, timezone
+
+from prefect import flow
+
+from components.config import load_config
+from components.data.sampler import PromptSampler
+from components.models.loading import load_tokenizer
+from components.progress import console, iteration_line, progress_bar
+from components.training.ray_workers import stop_workers
+from flows._args import config_parser, run_cli
+from tasks.data import load_datasets
+from tasks.rl import compute_advantages, evaluate_policy, generate_rollouts, score_rewards, start_workers, \
+    sync_weights, update_policy
+from tasks.tracking import finalize, log_metrics, save_checkpoint, start_run
+
+
+def _timed(timings: dict, name: str, fn, *args):
+    start = time.perf_counter()
+    out = fn(*args)
+    timings[f"timing_s/{name}"] = time.perf_counter() - start
+    return out
+
+
+@flow(name="rl-train")
+def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | None = None, pipeline: str = "",
+               pipeline_version: str = "") -> dict:
+    started = time.perf_counter()
+    cfg = load_config(config, overrides or [])
+    t = cfg.trainer
+    train_rows, eval_rows = load_datasets(cfg)
+    run_name = f"{pipeline or 'train'}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    tracker = start_run(cfg, pipeline, pipeline_version, run_name)
+    workers = start_workers(cfg)
+    tokenizer = load_tokenizer(cfg.actor.model.path)
+    sampler = PromptSampler(len(train_rows), cfg.data.batch_size, cfg.data.shuffle, t.seed)
+    history: list[dict] = []
+    version = 0
+    try:
+        with progress_bar("grpo", t.iterations, t.progress) as advance:
+            for it in range(1, t.iterations + 1):
+                timings: dict[str, float] = {}
+                step_start = time.perf_counter()
+                rows = [train_rows[i] for i in sampler.next_indices()]
+                batch = _timed(timings, "gen", generate_rollouts, workers, rows, cfg, it, version)
+                batch, m_reward = _timed(timings, "reward", score_rewards, batch, tokenizer, cfg)
+                batch, m_adv = _timed(timings, "adv", compute_advantages, batch, cfg)
+                m_actor = _timed(timings, "update_actor", update_policy, workers, batch)
+                version = _timed(timings, "update_weights", sync_weights, workers)
+                metrics = {**m_reward, **m_adv, **m_actor}
+                if it % t.test_interval == 0 or it == t.iterations:
+                    metrics.update(_timed(timings, "testing", evaluate_policy, workers, eval_rows, cfg))
+                if it % t.save_interval == 0 or it == t.iterations:
+                    _timed(timings, "save_checkpoint", save_checkpoint, workers, tracker, cfg, it,
+                           sampler.state_dict(), version)
+                timings["timing_s/step"] = time.perf_counter() - step_start
+                metrics.update(timings)
+                log_metrics(tracker, metrics, it)
+                history.append({"step": it, **metrics})
+                advance(info=f"reward {metrics['critic/score/mean']:.3f}")
+                if t.progress:
+                    console.print(iteration_line(it, t.iterations, metrics))
+        return finalize(workers, tracker, cfg, history, time.perf_counter() - started)
+    except BaseException:
+        tracker.end("FAILED")
+        raise
+    finally:
+        stop_workers(workers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = config_parser("Run GRPO (or another preset) on the SFT model; metrics and checkpoints go to MLflow.")\
+        .parse_args(argv)
+    return run_cli(train_flow, a.config, a.overrides)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

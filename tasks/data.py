@@ -1,0 +1,75 @@
+"""Data tasks: generate or import raw rows, then clean them into the train/eval files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.logging import get_run_logger
+
+from components.config import Config
+from components.data.clean import CleanReport, clean_file
+from components.data.formats import ROW_SCHEMA, arithmetic_rows, gsm8k_rows
+from components.data.io import write_parquet
+from components.models.tiny import build_char_tokenizer
+
+
+@task(name="prepare-data", timeout_seconds=600)
+def prepare_data(cfg: Config) -> list[str]:
+    """Write data.raw_dir/{train,test}.parquet: the arithmetic task, or an import of data.gsm8k_path."""
+    d = cfg.data
+    raw = Path(d.raw_dir)
+    if d.gsm8k_path:
+        train, test = gsm8k_rows(d.gsm8k_path, "train"), gsm8k_rows(d.gsm8k_path, "test")
+    else:
+        train, test = arithmetic_rows(d.num_train, d.num_eval, d.max_operand, d.operations, cfg.trainer.seed)
+    paths = [write_parquet(train, raw / "train.parquet", ROW_SCHEMA), write_parquet(test, raw / "test.parquet",
+                                                                                   ROW_SCHEMA)]
+    get_run_logger().info("prepared %d train and %d test rows in %s", len(train), len(test), raw)
+    return [str(p) for p in paths]
+
+
+def _token_counter(cfg: Config):
+    """Counts prompt tokens with the policy's tokenizer if one exists yet, else the tiny character one."""
+    from components.models.loading import load_tokenizer
+
+    base = cfg.sft.base_model
+    tok = load_tokenizer(base, key="sft.base_model") if base else build_char_tokenizer()
+    return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+@task(name="clean-data", timeout_seconds=600)
+def clean_data(cfg: Config) -> list[CleanReport]:
+    """Validate raw rows; write clean files and quarantine files (with reasons); log the counts."""
+    d = cfg.data
+    count = _token_counter(cfg)
+    reports = []
+    for src, dst in ((Path(d.raw_dir) / "train.parquet", d.train_path), (Path(d.raw_dir) / "test.parquet",
+                                                                        d.eval_path)):
+        r = clean_file(src, dst, d.quarantine_dir, count, d.max_prompt_len)
+        get_run_logger().info("%s: %d rows in, %d kept, %d quarantined %s -> %s", src, r.input_rows, r.kept,
+                              r.quarantined, r.reasons or "", r.quarantine_path)
+        reports.append(r)
+    return reports
+
+
+@task(name="load-datasets", timeout_seconds=600)
+def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """The cleaned train and eval rows as plain dicts."""
+    from components.data.io import read_rows
+    from components.errors import DataError
+
+    out = []
+    for key, path in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
+        rows = read_rows(path, key=key).to_dict("records")
+        if not rows:
+            raise DataError(f"{key}: {path} has no rows; run `reinforge clean` and check the quarantine folder")
+        out.append([_plain(r) for r in rows])
+    return out[0], out[1]
+
+
+def _plain(row: dict) -> dict:
+    """numpy arrays from parquet back to lists, so rows travel as plain Python."""
+    from components.data.clean import _to_jsonable
+
+    return _to_jsonable(row)

@@ -1,0 +1,47 @@
+"""Evaluation tasks: score a model directory on held-out rows; write metrics/eval.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+
+from components.config import Config
+from components.data.io import read_rows, write_json
+from components.rollout.worker import RolloutWorker
+from components.tracking.mlflow_tracker import Tracker
+from components.training.seeding import derive_seed
+from tasks.common import STAGE
+from tasks.data import _plain
+
+METRICS = ("math_acc",)  # --metric names: math_acc = rule-scored accuracy (greedy) plus mean@k / pass@k
+
+
+@task(name="evaluate-model", **STAGE)
+def evaluate_model(model_path: str, eval_path: str, cfg: Config) -> dict[str, float]:
+    """Greedy accuracy (`acc`) and sampled mean@k / pass@k of the model at `model_path`."""
+    rows = [_plain(r) for r in read_rows(eval_path, key="--eval_data").to_dict("records")]
+    rows = rows[:cfg.trainer.eval_size] if cfg.trainer.eval_size else rows
+    worker = RolloutWorker(model_path, cfg.engine.type, cfg.actor.model.dtype,
+                           cfg.actor.model.attention_implementation, cfg.trainer.num_threads)
+    m = worker.evaluate(rows, cfg.reward_model, cfg.trainer.eval_k, cfg.engine.max_new_tokens,
+                        derive_seed(cfg.trainer.seed, "eval"), cfg.engine.temperature or 1.0)
+    k = cfg.trainer.eval_k
+    out = {"acc": m["val/acc"], "n": len(rows)}
+    for key, value in m.items():
+        if key.endswith(f"acc_mean_at_{k}") or key.endswith(f"pass_at_{k}"):
+            out[key.split("/")[-1]] = value
+    return out
+
+
+@task(name="write-eval", **STAGE)
+def write_eval(results: dict, path: str, tracker_run: dict | None) -> str:
+    """metrics/eval.json for `dvc metrics show`, and the same figures on the training run in MLflow."""
+    write_json(results, path)
+    if tracker_run and tracker_run.get("run_id"):
+        tracker = Tracker(tracker_run["experiment"], "", run_id=tracker_run["run_id"])
+        tracker.log_summary({f"eval/{name}/{k}": v for name in ("sft", "final") for k, v in results[name].items()
+                             if isinstance(v, (int, float))})
+        tracker.log_artifact(path)
+        tracker.end("FINISHED")
+    return str(Path(path))

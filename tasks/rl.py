@@ -1,0 +1,69 @@
+"""One RL iteration's stages as Prefect tasks. Heavy work runs on the Ray actors in `Workers`."""
+
+from __future__ import annotations
+
+import ray
+from prefect import task
+
+from components.algorithms.advantages import AdvantageParams
+from components.algorithms.presets import resolve
+from components.batch import Batch
+from components.config import Config
+from components.rl import add_advantages, add_rewards, decode_responses
+from components.rollout.base import SamplingParams
+from components.training import ray_workers
+from components.training.ray_workers import Workers
+from components.training.seeding import derive_seed
+from tasks.common import STAGE, retry_transient
+
+
+def sampling_params(cfg: Config) -> SamplingParams:
+    e = cfg.engine
+    return SamplingParams(n=e.n, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
+                          max_new_tokens=e.max_new_tokens)
+
+
+@task(name="start-workers", **STAGE)
+def start_workers(cfg: Config) -> Workers:
+    """Start the policy and rollout actors (kept for the whole run)."""
+    return ray_workers.start_workers(cfg)
+
+
+@task(name="gen", retries=2, retry_condition_fn=retry_transient, **STAGE)
+def generate_rollouts(workers: Workers, rows: list[dict], cfg: Config, iteration: int, version: int) -> Batch:
+    """engine.n completions per prompt, sampled with weights `version` (checked by the engine)."""
+    seed = derive_seed(cfg.trainer.seed, iteration, "rollout")
+    return ray.get(workers.rollout.generate.remote(rows, sampling_params(cfg), seed, iteration, version))
+
+
+@task(name="reward", **STAGE)
+def score_rewards(batch: Batch, tokenizer, cfg: Config) -> tuple[Batch, dict[str, float]]:
+    """Decode responses and score them with the scorer of each row's data_source."""
+    return add_rewards(batch, decode_responses(tokenizer, batch), cfg.reward_model)
+
+
+@task(name="adv", **STAGE)
+def compute_advantages(batch: Batch, cfg: Config) -> tuple[Batch, dict[str, float]]:
+    algo = resolve(cfg.algorithm)
+    return add_advantages(batch, algo.adv_estimator, AdvantageParams(norm_adv_by_std=algo.norm_adv_by_std))
+
+
+@task(name="update-actor", **STAGE)
+def update_policy(workers: Workers, batch: Batch) -> dict[str, float]:
+    return ray.get(workers.policy.update.remote(batch))
+
+
+@task(name="update-weights", retries=2, retry_condition_fn=retry_transient, **STAGE)
+def sync_weights(workers: Workers) -> int:
+    """Push the policy's weights to the rollout engine through the object store; returns their version."""
+    weights, version = workers.policy.get_weights.options(num_returns=2).remote()
+    return ray.get(workers.rollout.update_weights.remote(weights, version))
+
+
+@task(name="testing", retries=2, retry_condition_fn=retry_transient, **STAGE)
+def evaluate_policy(workers: Workers, rows: list[dict], cfg: Config) -> dict[str, float]:
+    """Greedy accuracy and mean@k / pass@k on the held-out rows with the current weights."""
+    rows = rows[:cfg.trainer.eval_size] if cfg.trainer.eval_size else rows
+    return ray.get(workers.rollout.evaluate.remote(rows, cfg.reward_model, cfg.trainer.eval_k,
+                                                   cfg.engine.max_new_tokens, derive_seed(cfg.trainer.seed, "eval"),
+                                                   cfg.engine.temperature or 1.0))

@@ -1,0 +1,98 @@
+"""Loss aggregation, KL estimators and the PPO clip loss: hand-computed cases and invariances."""
+
+import math
+
+import pytest
+import torch
+
+from components.algorithms.losses import AggParams, PolicyLossParams, agg_loss, kl_penalty, vanilla_ppo
+
+LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+AGG = AggParams(num_tokens=4, num_seqs=2, norm_const=3)
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("token-mean", (1 + 2 + 3 + 4) / 4),  # 2.5
+    ("seq-mean-token-sum", (6 + 4) / 2),  # 5
+    ("seq-mean-token-mean", (6 / 3 + 4 / 1) / 2),  # 3
+    ("seq-mean-token-sum-norm", 10 / (2 * 3)),  # 1.6667
+])
+def test_agg_modes_hand_computed(mode, expected):
+    assert math.isclose(float(agg_loss(LOSS, MASK, mode, AGG)), expected, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+def test_agg_parts_with_global_counts_sum_to_whole(mode):
+    whole = agg_loss(LOSS, MASK, mode, AGG)
+    parts = agg_loss(LOSS[:1], MASK[:1], mode, AGG) + agg_loss(LOSS[1:], MASK[1:], mode, AGG)
+    torch.testing.assert_close(whole, parts)
+
+
+def test_kl_estimators_hand_computed():
+    logp, ref = torch.tensor([-1.0]), torch.tensor([-2.0])  # log pi - log ref = 1
+    assert math.isclose(float(kl_penalty(logp, ref, "k1")), 1.0)
+    assert math.isclose(float(kl_penalty(logp, ref, "abs")), 1.0)
+    assert math.isclose(float(kl_penalty(logp, ref, "mse")), 0.5)
+    # k3: x = ref - logp = -1 -> e^-1 - (-1) - 1 = 0.367879
+    assert math.isclose(float(kl_penalty(logp, ref, "low_var_kl")), math.exp(-1), rel_tol=1e-6)
+
+
+def test_k3_is_zero_at_equal_policies_and_clamped():
+    x = torch.tensor([-3.0, 0.5])
+    torch.testing.assert_close(kl_penalty(x, x, "k3"), torch.zeros(2))
+    assert float(kl_penalty(torch.tensor([0.0]), torch.tensor([-50.0]), "k3").max()) <= 10.0
+
+
+def test_straight_through_kl_has_k3_value_and_k2_gradient():
+    logp = torch.tensor([-1.0], requires_grad=True)
+    ref = torch.tensor([-2.0])
+    out = kl_penalty(logp, ref, "k3+")
+    out.backward()
+    assert math.isclose(float(out), math.exp(-1), rel_tol=1e-6)
+    assert math.isclose(float(logp.grad), 1.0)  # d/dlogp of 0.5 (logp - ref)^2 = 1
+
+
+def test_ppo_clip_hand_computed():
+    # ratio e^{0.5} = 1.6487 with A = +1: clipped at 1.2 -> loss -1.2, clipfrac 1
+    # ratio e^{-0.5} = 0.6065 with A = -1: clipped at 0.8 -> max(0.6065, 0.8) = 0.8, below dual clip 3 -> 0.8
+    logp = torch.tensor([[0.5, -0.5]])
+    old = torch.zeros(1, 2)
+    adv = torch.tensor([[1.0, -1.0]])
+    mask = torch.ones(1, 2)
+    loss, m = vanilla_ppo(logp, old, adv, mask, PolicyLossParams(0.2, 0.2), AggParams(2, 1))
+    assert math.isclose(float(loss), (-1.2 + 0.8) / 2, rel_tol=1e-6)
+    assert float(m["actor/pg_clipfrac"]) == 1.0
+    assert math.isclose(float(m["actor/ppo_kl"]), 0.0, abs_tol=1e-7)
+
+
+def test_dual_clip_bounds_negative_advantage_loss():
+    # ratio e^{2} = 7.39 with A = -1: clipped loss max(7.39, 1.2) = 7.39 -> dual clip min(7.39, 3) = 3
+    loss, m = vanilla_ppo(torch.tensor([[2.0]]), torch.zeros(1, 1), torch.tensor([[-1.0]]), torch.ones(1, 1),
+                          PolicyLossParams(0.2, 0.2, 3.0), AggParams(1, 1))
+    assert math.isclose(float(loss), 3.0, rel_tol=1e-6)
+    assert float(m["actor/pg_clipfrac_lower"]) == 1.0
+
+
+def test_clip_higher_is_asymmetric():
+    logp = torch.tensor([[math.log(1.25)]])
+    loss_sym, _ = vanilla_ppo(logp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1),
+                              PolicyLossParams(0.2, 0.2), AggParams(1, 1))
+    loss_high, _ = vanilla_ppo(logp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1),
+                               PolicyLossParams(0.2, 0.28), AggParams(1, 1))
+    assert math.isclose(float(loss_sym), -1.2, rel_tol=1e-6)
+    assert math.isclose(float(loss_high), -1.25, rel_tol=1e-6)
+
+
+def test_masked_tokens_never_change_the_loss():
+    g = torch.Generator().manual_seed(0)
+    logp, old, adv = (torch.randn(4, 5, generator=g) for _ in range(3))
+    mask = torch.ones(4, 5)
+    mask[:, 3:] = 0
+    agg = AggParams(float(mask.sum()), 4)
+    l1, _ = vanilla_ppo(logp, old, adv, mask, PolicyLossParams(), agg)
+    logp2 = logp.clone()
+    logp2[:, 3:] = 100.0
+    l2, _ = vanilla_ppo(logp2, old, adv, mask, PolicyLossParams(), agg)
+    torch.testing.assert_close(l1, l2)
