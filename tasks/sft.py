@@ -32,7 +32,7 @@ def run_sft(cfg: Config) -> str:
     examples = encode_examples(tok, [list(r["prompt"]) for r in rows], [r["extra_info"]["answer"] for r in rows])
     with progress_bar("sft", s.steps, cfg.trainer.progress) as advance:
         losses = train_sft(model, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr,
-                           pad_id=tok.pad_token_id, seed=cfg.trainer.seed,
+                           pad_id=tok.pad_token_id, seed=cfg.trainer.seed, final_lr_frac=s.final_lr_frac,
                            on_step=lambda step, loss: advance(info=f"loss {loss:.3f}"))
     out = save_pretrained(model, tok, Path(s.output_dir))
     get_run_logger().info("SFT: %d steps, final loss %.4f, saved to %s", s.steps, losses[-1] if losses else

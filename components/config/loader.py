@@ -85,6 +85,9 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
+        for e in exc.errors():  # a cross-field check raised its own ConfigError: pass it on as it is
+            if isinstance((e.get("ctx") or {}).get("error"), ConfigError):
+                raise e["ctx"]["error"] from None
         lines = [_explain(e) for e in exc.errors()]
         where = f" in {path}" if path else ""
         raise ConfigError(f"invalid config{where}:\n  - " + "\n  - ".join(lines)) from None

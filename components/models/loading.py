@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as hf_logging
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from components.errors import ConfigError
+
+hf_logging.disable_progress_bar()  # no per-load bars in pipeline logs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -43,8 +43,8 @@ class HFEngine:
         n_rows = ids.shape[0]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                         logits_to_keep=1)
         tokens_out = torch.full((n_rows, params.max_new_tokens), self.pad_id, dtype=torch.long)
         logp_out = torch.zeros((n_rows, params.max_new_tokens))
         done = torch.zeros(n_rows, dtype=torch.bool)
@@ -61,7 +61,7 @@ class HFEngine:
                 break
             mask = torch.cat([mask, torch.ones((n_rows, 1), dtype=mask.dtype)], dim=1)
             out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                             past_key_values=out.past_key_values, use_cache=True)
+                             cache=cache, use_cache=True)
             next_pos = next_pos + 1
         tokens_out, logp_out = tokens_out[:, :steps], logp_out[:, :steps]
         response_mask = response_mask_from(tokens_out, self.eos_id, self.pad_id)

@@ -30,6 +30,7 @@ class UpdateSettings:
     grad_clip: float = 1.0
     norm_const: float = 1.0  # seq-mean-token-sum-norm constant (max response length)
     seed: int = 0
+    autocast_dtype: str | None = None  # "bf16" / "fp16": autocast the update's forward passes
 
 
 class PolicyTrainer:
@@ -40,6 +41,11 @@ class PolicyTrainer:
         self.model, self.ref_model = model, ref_model
         self.optimizer, self.scheduler, self.s = optimizer, scheduler, settings
         self.steps = 0
+
+    def _autocast(self):
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.s.autocast_dtype or "")
+        device = next(self.model.parameters()).device.type
+        return torch.autocast(device_type=device, dtype=dtype, enabled=dtype is not None)
 
     def _logprobs(self, model, b: Batch, entropy: bool = False):
         t = b.tensors
@@ -64,7 +70,8 @@ class PolicyTrainer:
     def _micro_loss(self, mb: Batch, agg: AggParams, mode: str) -> tuple[torch.Tensor, dict]:
         t = mb.tensors
         mask = t["response_mask"].float()
-        logp, entropy = self._logprobs(self.model, mb, entropy=True)
+        with self._autocast():
+            logp, entropy = self._logprobs(self.model, mb, entropy=True)
         old = t["old_logprobs"] if "old_logprobs" in t else logp.detach()
         pg_loss, metrics = POLICY_LOSSES.get(self.s.policy_loss)(logp, old, t["advantages"], mask, self.s.loss, agg)
         loss = pg_loss

@@ -23,7 +23,8 @@ def update_settings(cfg: Config) -> UpdateSettings:
         beta=a.beta, kl_loss_type=algo.kl_loss_type, entropy_coeff=a.entropy_coeff, policy_loss=algo.policy_loss,
         loss=PolicyLossParams(clip_low=a.clip_epsilon, clip_high=a.clip_ratio_high or a.clip_epsilon,
                               clip_ratio_c=a.clip_ratio_c, agg_mode=algo.loss_agg_mode),
-        grad_clip=cfg.actor.optimizer.grad_clip, norm_const=float(cfg.engine.max_new_tokens), seed=cfg.trainer.seed)
+        grad_clip=cfg.actor.optimizer.grad_clip, norm_const=float(cfg.engine.max_new_tokens), seed=cfg.trainer.seed,
+        autocast_dtype=cfg.mixed_precision.dtype if cfg.mixed_precision.enabled else None)
 
 
 class PolicyWorker:

@@ -1,0 +1,44 @@
+"""GSM8K scorer: hand-written cases, tricky ones included, and invalid scores counted."""
+
+import math
+
+import pytest
+
+from components.config import load_config
+from components.rewards import gsm8k
+from components.rewards.registry import REWARDS, score_batch
+
+
+@pytest.mark.parametrize("text,truth,expected", [
+    ("#### 42", "42", 1.0),
+    ("#### 42.", "42", 0.0),  # strict keeps the trailing dot: "42." != "42"
+    ("#### 1,234", "1234", 1.0),  # commas removed
+    ("#### -7", "-7", 1.0),  # negative numbers
+    ("#### 41", "42", 0.0),  # extracted but wrong -> format_score (0)
+    ("42", "42", 0.0),  # nothing extracted in strict mode
+    ("#### 3\n#### 42", "42", 1.0),  # the last match counts
+    ("#### 42" + "x" * 400, "42", 0.0),  # only the last 300 characters are read
+])
+def test_strict(text, truth, expected):
+    assert gsm8k.score(text, truth) == expected
+
+
+def test_format_score_and_flexible():
+    assert gsm8k.score("#### 41", "42", format_score=0.1) == 0.1
+    assert gsm8k.score("the answer is 42", "42", method="flexible") == 1.0
+    assert gsm8k.extract_answer("no digits", method="flexible") is None
+
+
+def test_score_batch_counts_invalid_and_names_failing_sample():
+    cfg = load_config(None).reward_model
+    REWARDS["test/nan"] = lambda rm: (lambda text, truth, extra: float("nan") if text == "bad" else 1.0)
+    REWARDS["test/raise"] = lambda rm: (lambda text, truth, extra: 1 / 0)
+    try:
+        scores, invalid = score_batch(["ok", "bad"], ["1", "1"], ["test/nan"] * 2, [{}, {}], cfg)
+        assert scores == [1.0, 0.0] and invalid == 1 and all(math.isfinite(s) for s in scores)
+        with pytest.raises(RuntimeError, match="sample 0"):
+            score_batch(["x"], ["1"], ["test/raise"], [{}], cfg)
+        with pytest.raises(KeyError, match="no reward scorer registered"):
+            score_batch(["x"], ["1"], ["unknown"], [{}], cfg)
+    finally:
+        REWARDS.pop("test/nan"), REWARDS.pop("test/raise")
