@@ -18,6 +18,18 @@ def config_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def check_config(path: str, overrides: list[str]) -> int:
+    """Validate the config before any flow (or Prefect server) starts: 0 when good, 2 with the message."""
+    from components.config import load_config
+
+    try:
+        load_config(path, overrides)
+    except ReinforgeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def run_cli(fn, *args, **kwargs) -> int:
     """Run a flow; a ReinforgeError prints its message (no traceback) and exits 2."""
     try:

@@ -7,7 +7,7 @@ import sys
 from prefect import flow
 
 from components.config import load_config
-from flows._args import config_parser, run_cli
+from flows._args import check_config, config_parser, run_cli
 from tasks.data import clean_data, prepare_data
 
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", choices=["prepare", "clean", "all"], default="all")
     a = p.parse_args(argv)
     steps = ("prepare", "clean") if a.step == "all" else (a.step,)
-    return run_cli(data_flow, a.config, a.overrides, steps)
+    return check_config(a.config, a.overrides) or run_cli(data_flow, a.config, a.overrides, steps)
 
 
 if __name__ == "__main__":

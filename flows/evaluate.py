@@ -13,7 +13,7 @@ from prefect import flow
 
 from components.config import load_config
 from components.errors import ConfigError
-from flows._args import config_parser, run_cli
+from flows._args import check_config, config_parser, run_cli
 from tasks.evaluate import METRICS, evaluate_model, write_eval
 from tasks.tracking import read_run_info
 
@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.metric not in METRICS:
         print(f"error: --metric {a.metric}: unknown; valid: {', '.join(METRICS)}", file=sys.stderr)
+        return 2
+    if check_config(a.config, a.overrides):
         return 2
     if a.model_path:
         if not a.eval_data:

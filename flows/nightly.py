@@ -13,7 +13,7 @@ from prefect import flow, task
 from components.config import load_config
 from components.locking import exclusive
 from components.tracking.registry import register_if_better
-from flows._args import config_parser, run_cli
+from flows._args import check_config, config_parser, run_cli
 from flows.data import data_flow
 from flows.evaluate import evaluate_flow
 from flows.sft import sft_flow
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p = config_parser("Nightly retraining: data, train, evaluate, register the model if it is better.")
     p.add_argument("--model-name", default="reinforge-arith", help="MLflow registered model name")
     a = p.parse_args(argv)
-    return run_cli(nightly_flow, a.config, a.overrides, a.model_name)
+    return check_config(a.config, a.overrides) or run_cli(nightly_flow, a.config, a.overrides, a.model_name)
 
 
 if __name__ == "__main__":

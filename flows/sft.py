@@ -7,7 +7,7 @@ import sys
 from prefect import flow
 
 from components.config import load_config
-from flows._args import config_parser, run_cli
+from flows._args import check_config, config_parser, run_cli
 from tasks.sft import run_sft
 
 
@@ -19,7 +19,7 @@ def sft_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | Non
 def main(argv: list[str] | None = None) -> int:
     a = config_parser("Supervised warm start: build the tiny model (or load sft.base_model) and fine-tune it.")\
         .parse_args(argv)
-    return run_cli(sft_flow, a.config, a.overrides)
+    return check_config(a.config, a.overrides) or run_cli(sft_flow, a.config, a.overrides)
 
 
 if __name__ == "__main__":

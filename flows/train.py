@@ -16,7 +16,7 @@ from components.data.sampler import PromptSampler
 from components.models.loading import load_tokenizer
 from components.progress import console, iteration_line, progress_bar
 from components.training.ray_workers import stop_workers
-from flows._args import config_parser, run_cli
+from flows._args import check_config, config_parser, run_cli
 from tasks.data import load_datasets
 from tasks.rl import compute_advantages, evaluate_policy, generate_rollouts, score_rewards, start_workers, \
     sync_weights, update_policy
@@ -79,7 +79,7 @@ def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | N
 def main(argv: list[str] | None = None) -> int:
     a = config_parser("Run GRPO (or another preset) on the SFT model; metrics and checkpoints go to MLflow.")\
         .parse_args(argv)
-    return run_cli(train_flow, a.config, a.overrides)
+    return check_config(a.config, a.overrides) or run_cli(train_flow, a.config, a.overrides)
 
 
 if __name__ == "__main__":

@@ -45,8 +45,8 @@ def setup(experiment: str, root: Path = PROJECT_ROOT) -> str:
     if exp is not None:
         return exp.experiment_id
     location = None
-    if uri.startswith("sqlite:"):
-        location = (root / "mlartifacts" / experiment).resolve().as_uri()
+    if uri.startswith("sqlite:///"):  # artifacts beside the database file
+        location = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts" / experiment).resolve().as_uri()
     return client.create_experiment(experiment, artifact_location=location)
 
 

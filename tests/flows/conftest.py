@@ -1,0 +1,35 @@
+"""Flow tests run on real Prefect (test harness), MLflow (SQLite in a temp dir) and Ray (local)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    from components.training.ray_workers import ensure_ray
+    import ray
+
+    ensure_ray()
+    yield
+    ray.shutdown()
+
+
+def small_overrides(root, iterations=4) -> list[str]:
+    """A shrunken default pipeline whose every output lives under `root`."""
+    return [f"data.raw_dir={root}/raw", f"data.train_path={root}/clean/train.parquet",
+            f"data.eval_path={root}/clean/test.parquet", f"data.quarantine_dir={root}/quarantine",
+            f"sft.output_dir={root}/sft", f"actor.model.path={root}/sft", f"trainer.output_dir={root}/grpo",
+            "data.num_train=120", "data.num_eval=16", "data.max_operand=20", "data.batch_size=8", "engine.n=4",
+            "engine.max_new_tokens=8", "sft.steps=30", "sft.hidden_size=32", "sft.num_layers=1", "sft.num_heads=2",
+            "sft.intermediate_size=64", f"trainer.iterations={iterations}", "trainer.test_interval=2",
+            "trainer.save_interval=2", "trainer.eval_k=2", "trainer.progress=false",
+            "trainer.experiment_name=e2e", "actor.optimizer.lr=1e-3"]

@@ -1,0 +1,68 @@
+"""Bad input at the flow level: a clear error naming the key/file, or a quarantine file; no partial output."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from components.config import load_config
+from components.data.formats import ROW_SCHEMA, arithmetic_rows
+from components.data.io import write_parquet
+from components.errors import DataError
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_unknown_config_key_fails_before_any_work(tmp_path):
+    res = cli("flows.train", "--config", "configs/arith_grpo.yaml", "algorithm.betta=0.1",
+              f"trainer.output_dir={tmp_path}/out")
+    assert res.returncode == 2
+    assert "algorithm.betta: unknown key. Did you mean `algorithm.beta`?" in res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "out").exists()
+
+
+def test_reinforge_command_help_and_unknown_subcommand():
+    res = cli("flows.cli", "--help")
+    assert res.returncode == 0 and "train" in res.stdout and "evaluate" in res.stdout
+    res = cli("flows.cli", "trian")
+    assert res.returncode == 2 and "unknown command 'trian'" in res.stderr
+    res = cli("flows.cli", "train", "--help")
+    assert res.returncode == 0 and "overrides" in res.stdout
+
+
+def test_missing_data_file_names_it(tmp_path):
+    from tasks.data import load_datasets
+
+    cfg = load_config("configs/arith_grpo.yaml", [f"data.train_path={tmp_path}/missing.parquet"])
+    with pytest.raises(DataError, match=r"data\.train_path: .*missing\.parquet does not exist"):
+        load_datasets.fn(cfg)
+
+
+def test_evaluate_missing_model_dir_names_the_key(tmp_path):
+    res = cli("flows.evaluate", "--model_path", str(tmp_path / "nope"), "--eval_data", "x.parquet")
+    assert res.returncode == 2 and "no Hugging Face model there" in res.stderr
+
+
+def test_malformed_dataset_is_quarantined_and_clean_output_is_whole(tmp_path):
+    from tasks.data import clean_data
+
+    train, test = arithmetic_rows(30, 5, 10, ["+"], 0)
+    bad = [{**train[0], "prompt": [{"role": "user", "content": ""}]},
+           {**train[1], "reward_model": {"style": "rule", "ground_truth": ""}}, train[2]]
+    raw = tmp_path / "raw"
+    write_parquet(train + bad, raw / "train.parquet", ROW_SCHEMA)
+    write_parquet(test, raw / "test.parquet", ROW_SCHEMA)
+    cfg = load_config("configs/arith_grpo.yaml", [f"data.raw_dir={raw}", f"data.train_path={tmp_path}/c/train.parquet",
+                                                  f"data.eval_path={tmp_path}/c/test.parquet",
+                                                  f"data.quarantine_dir={tmp_path}/q"])
+    reports = clean_data.fn(cfg)
+    assert (reports[0].input_rows, reports[0].kept, reports[0].quarantined) == (33, 30, 3)
+    q = pq.read_table(tmp_path / "q" / "train.parquet").to_pylist()
+    assert sorted(r["reason"].split(":")[0] for r in q) == ["duplicate of row 2", "schema", "schema"]
+    assert len(pq.read_table(tmp_path / "c" / "train.parquet")) == 30
+    assert not list((tmp_path / "c").glob(".*.tmp"))
