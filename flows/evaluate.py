@@ -13,6 +13,7 @@ from prefect import flow
 
 from components.config import load_config
 from components.errors import ConfigError
+from components.progress import progress_bar
 from flows._args import check_config, config_parser, run_cli
 from tasks.evaluate import METRICS, evaluate_model, write_eval
 from tasks.tracking import read_run_info
@@ -24,9 +25,12 @@ def evaluate_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] 
     cfg = load_config(config, overrides or [])
     run = read_run_info(cfg.trainer.output_dir)
     final = str(Path(cfg.trainer.output_dir) / "final")
-    results = {"sft": evaluate_model(cfg.sft.output_dir, cfg.data.eval_path, cfg),
-               "final": evaluate_model(final, cfg.data.eval_path, cfg),
-               "iterations": run.get("iterations"), "train_wall_seconds": run.get("wall_seconds")}
+    results: dict = {}
+    with progress_bar("evaluate", 2, cfg.trainer.progress) as advance:
+        for name, path in (("sft", cfg.sft.output_dir), ("final", final)):
+            results[name] = evaluate_model(path, cfg.data.eval_path, cfg)
+            advance(info=f"{name} acc {results[name]['acc']:.3f}")
+    results.update(iterations=run.get("iterations"), train_wall_seconds=run.get("wall_seconds"))
     results["gain"] = {"acc": results["final"]["acc"] - results["sft"]["acc"]}
     write_eval(results, output, run)
     return results

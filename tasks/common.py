@@ -18,3 +18,16 @@ def retry_transient(task, task_run, state) -> bool:
     except Exception as exc:  # the failed state re-raises the task's exception
         return type(exc).__name__ in TRANSIENT
     return False
+
+
+def logger():
+    """The run logger inside a flow or task run; a plain logger when a task's .fn() is called directly."""
+    import logging
+
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("reinforge")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import task
-from prefect.logging import get_run_logger
+from tasks.common import logger
 
 from components.config import Config
 from components.data.clean import CleanReport, clean_file
@@ -25,7 +25,7 @@ def prepare_data(cfg: Config) -> list[str]:
         train, test = arithmetic_rows(d.num_train, d.num_eval, d.max_operand, d.operations, cfg.trainer.seed)
     paths = [write_parquet(train, raw / "train.parquet", ROW_SCHEMA), write_parquet(test, raw / "test.parquet",
                                                                                    ROW_SCHEMA)]
-    get_run_logger().info("prepared %d train and %d test rows in %s", len(train), len(test), raw)
+    logger().info("prepared %d train and %d test rows in %s", len(train), len(test), raw)
     return [str(p) for p in paths]
 
 
@@ -47,7 +47,7 @@ def clean_data(cfg: Config) -> list[CleanReport]:
     for src, dst in ((Path(d.raw_dir) / "train.parquet", d.train_path), (Path(d.raw_dir) / "test.parquet",
                                                                         d.eval_path)):
         r = clean_file(src, dst, d.quarantine_dir, count, d.max_prompt_len)
-        get_run_logger().info("%s: %d rows in, %d kept, %d quarantined %s -> %s", src, r.input_rows, r.kept,
+        logger().info("%s: %d rows in, %d kept, %d quarantined %s -> %s", src, r.input_rows, r.kept,
                               r.quarantined, r.reasons or "", r.quarantine_path)
         reports.append(r)
     return reports

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 from prefect import task
-from prefect.logging import get_run_logger
+from tasks.common import logger
 
 from components.config import Config
 from components.data.io import read_rows
@@ -35,6 +35,6 @@ def run_sft(cfg: Config) -> str:
                            pad_id=tok.pad_token_id, seed=cfg.trainer.seed, final_lr_frac=s.final_lr_frac,
                            on_step=lambda step, loss: advance(info=f"loss {loss:.3f}"))
     out = save_pretrained(model, tok, Path(s.output_dir))
-    get_run_logger().info("SFT: %d steps, final loss %.4f, saved to %s", s.steps, losses[-1] if losses else
+    logger().info("SFT: %d steps, final loss %.4f, saved to %s", s.steps, losses[-1] if losses else
                           float("nan"), out)
     return str(out)

@@ -7,6 +7,7 @@ with a `reason`, and kept + quarantined = input is checked before anything is wr
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -120,8 +121,9 @@ def clean_rows(df: pd.DataFrame, count_tokens: Callable[[str], int], max_prompt_
     for i, row in flat.iterrows():
         if i in reasons:
             continue
-        if len(row.prompt_text.encode("utf-8", errors="surrogatepass")) != len(row.prompt_text.encode(
-                "utf-8", errors="replace")):
+        try:
+            row.prompt_text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: bytes that were never valid UTF-8
             reasons[i] = "prompt is not valid UTF-8"
             continue
         key = (row.data_source, row.prompt_text)
@@ -130,7 +132,7 @@ def clean_rows(df: pd.DataFrame, count_tokens: Callable[[str], int], max_prompt_
             continue
         n_tok = count_tokens(row.prompt_text)
         if n_tok > max_prompt_len:
-            reasons[i] = f"prompt has {n_tok} tokens > data.max_prompt_len={max_prompt_len}"
+            reasons[i] = f"too long: prompt has {n_tok} tokens > data.max_prompt_len={max_prompt_len}"
             continue
         seen[key] = i
     records = df.to_dict("records")
@@ -155,11 +157,13 @@ def clean_file(src: str | Path, dst: str | Path, quarantine_dir: str | Path,
     qpath = Path(quarantine_dir) / (Path(dst).stem + ".parquet")
     write_parquet(quarantined, qpath, schema=None if quarantined else _empty_quarantine_schema())
     write_parquet(kept, dst, schema=ROW_SCHEMA)
-    counts: dict[str, int] = {}
-    for q in quarantined:
-        counts[q["reason"].split(":")[0].split(" of ")[0]] = counts.get(q["reason"].split(":")[0].split(" of ")[0],
-                                                                        0) + 1
-    return CleanReport(len(df), len(kept), len(quarantined), counts, str(dst), str(qpath))
+    counts = Counter(_reason_kind(q["reason"]) for q in quarantined)
+    return CleanReport(len(df), len(kept), len(quarantined), dict(sorted(counts.items())), str(dst), str(qpath))
+
+
+def _reason_kind(reason: str) -> str:
+    """`schema: prompt is empty` -> `schema`; `duplicate of row 3` -> `duplicate`."""
+    return reason.split(":")[0].split(" of ")[0]
 
 
 def _empty_quarantine_schema():
