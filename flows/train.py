@@ -38,13 +38,14 @@ def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | N
     t = cfg.trainer
     train_rows, eval_rows = load_datasets(cfg)
     run_name = f"{pipeline or 'train'}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
-    tracker = start_run(cfg, pipeline, pipeline_version, run_name)
-    workers = start_workers(cfg)
     tokenizer = load_tokenizer(cfg.actor.model.path)
+    tracker = start_run(cfg, pipeline, pipeline_version, run_name)
     sampler = PromptSampler(len(train_rows), cfg.data.batch_size, cfg.data.shuffle, t.seed)
     history: list[dict] = []
     version = 0
+    workers = None
     try:
+        workers = start_workers(cfg)
         with progress_bar("grpo", t.iterations, t.progress) as advance:
             for it in range(1, t.iterations + 1):
                 timings: dict[str, float] = {}
@@ -73,7 +74,8 @@ def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | N
         tracker.end("FAILED")
         raise
     finally:
-        stop_workers(workers)
+        if workers is not None:
+            stop_workers(workers)
 
 
 def main(argv: list[str] | None = None) -> int:

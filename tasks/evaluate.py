@@ -21,7 +21,7 @@ METRICS = ("math_acc",)  # --metric names: math_acc = rule-scored accuracy (gree
 def evaluate_model(model_path: str, eval_path: str, cfg: Config) -> dict[str, float]:
     """Greedy accuracy (`acc`) and sampled mean@k / pass@k of the model at `model_path`."""
     worker = RolloutWorker(model_path, cfg.engine.type, cfg.actor.model.dtype,
-                           cfg.actor.model.attention_implementation, cfg.trainer.num_threads)
+                           cfg.actor.model.attention_implementation, cfg.trainer.num_threads, key="--model_path")
     rows = [_plain(r) for r in read_rows(eval_path, key="--eval_data").to_dict("records")]
     rows = rows[:cfg.trainer.eval_size] if cfg.trainer.eval_size else rows
     m = worker.evaluate(rows, cfg.reward_model, cfg.trainer.eval_k, cfg.engine.max_new_tokens,

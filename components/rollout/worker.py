@@ -12,10 +12,10 @@ from components.rollout.base import SamplingParams, make_engine
 
 class RolloutWorker:
     def __init__(self, model_path: str, engine_type: str = "hf", dtype: str = "float32", attn: str = "sdpa",
-                 num_threads: int = 2):
+                 num_threads: int = 2, key: str = "actor.model.path"):
         torch.set_num_threads(num_threads)
-        self.tokenizer = load_tokenizer(model_path)
-        model = load_model(model_path, dtype, attn)
+        self.tokenizer = load_tokenizer(model_path, key)
+        model = load_model(model_path, dtype, attn, key)
         self.engine = make_engine(engine_type, model=model, eos_id=self.tokenizer.eos_token_id,
                                   pad_id=self.tokenizer.pad_token_id)
 
