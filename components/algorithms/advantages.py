@@ -125,3 +125,34 @@ def gae(token_rewards, response_mask, group_ids, values, params: AdvantageParams
         next_adv = torch.where(m > 0, a, next_adv)
     returns = (adv + values) * response_mask
     return masked_whiten(adv, response_mask), returns
+
+
+@ADVANTAGES.register("opo")
+def opo(token_rewards, response_mask, group_ids, values, params: AdvantageParams):
+    """OPO (arXiv 2505.23585): baseline = length-weighted group mean sum(|o_j| r_j) / sum |o_j|; A_i = r_i - b."""
+    scores = (token_rewards * response_mask).sum(-1)
+    lengths = response_mask.sum(-1)
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n = int(inverse.max()) + 1 if inverse.numel() else 0
+    num = torch.zeros(n, dtype=scores.dtype).index_add_(0, inverse, lengths * scores)
+    den = torch.zeros(n, dtype=scores.dtype).index_add_(0, inverse, lengths)
+    baseline = (num / den.clamp(min=1))[inverse]
+    return _broadcast(scores - baseline, response_mask)
+
+
+@ADVANTAGES.register("grpo_passk")
+def grpo_passk(token_rewards, response_mask, group_ids, values, params: AdvantageParams):
+    """Pass@k GRPO (arXiv 2503.19595): only the best response of a group gets (r_max - r_2nd) / (std + eps)
+    (no std division when norm_adv_by_std is False); every other response gets 0. Groups need >= 2 responses."""
+    scores = (token_rewards * response_mask).sum(-1)
+    _, std, count = group_stats(scores, group_ids)
+    if bool((count < 2).any()):
+        raise ValueError("grpo_passk needs at least 2 responses per prompt (engine.n >= 2)")
+    adv = torch.zeros_like(scores)
+    for gid in torch.unique(group_ids):
+        idx = (group_ids == gid).nonzero().squeeze(-1)
+        top2 = torch.topk(scores[idx], 2)
+        gap = top2.values[0] - top2.values[1]
+        best = idx[top2.indices[0]]
+        adv[best] = gap / (std[best] + params.epsilon) if params.norm_adv_by_std else gap
+    return _broadcast(adv, response_mask)

@@ -120,3 +120,38 @@ def vanilla_ppo(logp, old_logp, advantages, mask, p: PolicyLossParams, agg: AggP
         "actor/ppo_kl": token_mean(-neg_kl, mask, tok),
     }
     return loss, metrics
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo(logp, old_logp, advantages, mask, p: PolicyLossParams, agg: AggParams):
+    """GSPO (arXiv 2507.18071): the importance ratio is per sequence, s_i = exp(mean_t (logp - old_logp)).
+
+    Token form s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)]: its value is s_i, its gradient that of the token;
+    loss = max(-A s, -A clip(s, 1-low, 1+high)). GSPO's clip ranges are small (3e-4 / 4e-4 in the paper).
+    """
+    lengths = mask.sum(-1).clamp(min=1)
+    log_s = ((logp - old_logp) * mask).sum(-1) / lengths  # (B,)
+    log_s_tok = logp - logp.detach() + log_s.detach()[:, None]
+    ratio = torch.exp(log_s_tok.clamp(max=10.0))
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1 - p.clip_low, 1 + p.clip_high)
+    per_token = torch.maximum(pg1, pg2)
+    tok = AggParams(agg.num_tokens, agg.num_seqs)
+    metrics = {"actor/pg_clipfrac": token_mean((pg2 > pg1).float(), mask, tok),
+               "actor/pg_clipfrac_lower": token_mean(torch.zeros_like(mask), mask, tok),
+               "actor/ppo_kl": token_mean((old_logp - logp), mask, tok)}
+    return agg_loss(per_token, mask, p.agg_mode, agg), metrics
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo(logp, old_logp, advantages, mask, p: PolicyLossParams, agg: AggParams):
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update; the weight is a
+    constant (stop-gradient), so every token keeps a gradient: L = -sg(clip(ratio, 1-low, 1+high)) A logp."""
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))
+    weight = ratio.clamp(1 - p.clip_low, 1 + p.clip_high).detach()
+    per_token = -advantages * weight * logp
+    tok = AggParams(agg.num_tokens, agg.num_seqs)
+    metrics = {"actor/pg_clipfrac": token_mean((weight != ratio.detach()).float(), mask, tok),
+               "actor/pg_clipfrac_lower": token_mean((ratio.detach() < 1 - p.clip_low).float(), mask, tok),
+               "actor/ppo_kl": token_mean((old_logp - logp), mask, tok)}
+    return agg_loss(per_token, mask, p.agg_mode, agg), metrics

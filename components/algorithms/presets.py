@@ -15,6 +15,10 @@ PRESETS: dict[str, dict] = {
     "grpo": {"adv_estimator": "grpo", "loss_agg_mode": "token-mean", "norm_adv_by_std": True},
     "dr_grpo": {"adv_estimator": "grpo", "loss_agg_mode": "seq-mean-token-sum-norm", "norm_adv_by_std": False},
     "rloo": {"adv_estimator": "rloo", "loss_agg_mode": "token-mean", "norm_adv_by_std": False},
+    "gspo": {"adv_estimator": "grpo", "loss_agg_mode": "seq-mean-token-mean", "norm_adv_by_std": True,
+             "policy_loss": "gspo"},
+    "reinforce_plus_plus": {"adv_estimator": "reinforce_plus_plus", "loss_agg_mode": "token-mean",
+                            "norm_adv_by_std": False},
     "reinforce_plus_plus_baseline": {"adv_estimator": "reinforce_plus_plus_baseline",
                                      "loss_agg_mode": "token-mean", "norm_adv_by_std": False},
 }
@@ -35,8 +39,9 @@ def resolve(cfg: "AlgorithmConfig") -> ResolvedAlgorithm:
         raise KeyError(f"algorithm.name={cfg.name}: unknown preset. Valid names: {', '.join(sorted(PRESETS))}.")
     base = PRESETS[cfg.name]
     pick = lambda key: getattr(cfg, key) if getattr(cfg, key) is not None else base[key]  # noqa: E731
-    out = ResolvedAlgorithm(pick("adv_estimator"), pick("loss_agg_mode"), pick("norm_adv_by_std"),
-                            cfg.policy_loss, cfg.kl_loss_type)
+    policy_loss = cfg.policy_loss or base.get("policy_loss", "vanilla")
+    out = ResolvedAlgorithm(pick("adv_estimator"), pick("loss_agg_mode"), pick("norm_adv_by_std"), policy_loss,
+                            cfg.kl_loss_type)
     ADVANTAGES.get(out.adv_estimator)
     AGG_MODES.get(out.loss_agg_mode)
     POLICY_LOSSES.get(out.policy_loss)

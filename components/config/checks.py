@@ -32,8 +32,11 @@ def check_combinations(cfg: "Config") -> None:
         if importlib.util.find_spec(module) is None:
             problems.append(f"engine.type={cfg.engine.type}: package `{module}` is not installed. "
                             f"Install it with `{install}`, or set engine.type=hf.")
-    group_needed = cfg.algorithm.adv_estimator in (None, "grpo", "dr_grpo", "rloo")
-    if group_needed and cfg.engine.n < 2:
+    try:
+        estimator = presets.resolve(cfg.algorithm).adv_estimator
+    except KeyError:
+        estimator = None
+    if estimator in ("grpo", "rloo", "grpo_passk", "opo", "reinforce_plus_plus_baseline") and cfg.engine.n < 2:
         problems.append(f"engine.n={cfg.engine.n}: {cfg.algorithm.name} compares completions of one prompt, "
                         "so it needs engine.n >= 2.")
     responses = cfg.data.batch_size * cfg.engine.n

@@ -19,14 +19,14 @@ class Section(BaseModel):
 
 
 class AlgorithmConfig(Section):
-    name: str = Field("grpo", description="algorithm preset: grpo, dr_grpo or rloo")
+    name: str = Field("grpo", description="preset: grpo, dr_grpo, rloo, gspo, reinforce_plus_plus(_baseline)")
     adv_estimator: str | None = Field(None, description="advantage estimator; None = the preset's")
     beta: float = Field(0.0, ge=0, description="KL-to-reference loss coefficient (0 disables the reference)")
     kl_loss_type: str = Field("low_var_kl", description="KL estimator: k1, abs, mse/k2, low_var_kl/k3")
     clip_epsilon: float = Field(0.2, gt=0, lt=1, description="PPO clip range for the importance ratio")
     clip_ratio_high: float | None = Field(None, gt=0, description="upper clip (DAPO clip-higher); None = clip_epsilon")
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages")
-    policy_loss: str = Field("vanilla", description="policy loss from the registry")
+    policy_loss: str | None = Field(None, description="policy loss: vanilla, gspo, cispo; None = the preset's")
     loss_agg_mode: str | None = Field(None, description="loss aggregation; None = the preset's")
     norm_adv_by_std: bool | None = Field(None, description="divide GRPO advantages by group std; None = preset")
     entropy_coeff: float = Field(0.0, ge=0, description="entropy bonus coefficient")

@@ -132,3 +132,20 @@ def test_unknown_estimator_lists_valid_names():
 def test_double_registration_raises():
     with pytest.raises(ValueError, match="registered twice"):
         ADVANTAGES.register("grpo")(lambda *a: a)
+
+
+def test_opo_length_weighted_baseline():
+    # lengths 1 and 3, scores 1 and 0: baseline = (1*1 + 3*0) / 4 = 0.25 -> A = 0.75, -0.25
+    r = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    m = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    adv, _ = ADVANTAGES.get("opo")(r, m, torch.tensor([0, 0]), None, P)
+    torch.testing.assert_close(adv, torch.tensor([[0.75, 0.0, 0.0], [-0.25, -0.25, -0.25]]))
+
+
+def test_grpo_passk_only_the_best_gets_credit():
+    # scores 1, 0.5, 0: gap 0.5, unbiased std 0.5 -> best gets 0.5 / 0.5 = 1, the others 0
+    r, m = seq_rewards([0.5, 1.0, 0.0])
+    adv, _ = ADVANTAGES.get("grpo_passk")(r, m, torch.tensor([0, 0, 0]), None, P)
+    torch.testing.assert_close(adv[:, 0], torch.tensor([0.0, 1.0 / (1 + 2e-6), 0.0]), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="at least 2"):
+        ADVANTAGES.get("grpo_passk")(*seq_rewards([1.0]), torch.tensor([0]), None, P)

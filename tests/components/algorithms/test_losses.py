@@ -96,3 +96,44 @@ def test_masked_tokens_never_change_the_loss():
     logp2[:, 3:] = 100.0
     l2, _ = vanilla_ppo(logp2, old, adv, mask, PolicyLossParams(), agg)
     torch.testing.assert_close(l1, l2)
+
+
+def test_gspo_uses_the_sequence_ratio():
+    from components.algorithms.losses import gspo
+
+    # token log-ratios 0.2 and 0.0 -> sequence ratio e^{0.1} = 1.10517, inside clip 0.2: loss = -A s
+    logp = torch.tensor([[0.2, 0.0]], requires_grad=True)
+    loss, m = gspo(logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
+                   PolicyLossParams(0.2, 0.2, agg_mode="seq-mean-token-mean"), AggParams(2, 1))
+    assert math.isclose(float(loss), -math.exp(0.1), rel_tol=1e-6)
+    loss.backward()  # d/dlogp_t of -mean_t(s) = -s / 2 for each token
+    torch.testing.assert_close(logp.grad, torch.full((1, 2), -math.exp(0.1) / 2))
+    clipped, _ = gspo(torch.tensor([[1.0, 1.0]]), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
+                      PolicyLossParams(0.2, 0.2, agg_mode="seq-mean-token-mean"), AggParams(2, 1))
+    assert math.isclose(float(clipped), -1.2, rel_tol=1e-6)
+
+
+def test_cispo_clips_the_weight_but_keeps_the_gradient():
+    from components.algorithms.losses import cispo
+
+    # ratio e^{0.5} = 1.6487 clipped to 1.2; L = -A * 1.2 * logp; dL/dlogp = -1.2 (not 0 as in PPO clip)
+    logp = torch.tensor([[0.5]], requires_grad=True)
+    loss, m = cispo(logp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), PolicyLossParams(0.2, 0.2),
+                    AggParams(1, 1))
+    assert math.isclose(float(loss), -1.2 * 0.5, rel_tol=1e-6)
+    loss.backward()
+    assert math.isclose(float(logp.grad), -1.2, rel_tol=1e-6)
+    assert float(m["actor/pg_clipfrac"]) == 1.0
+
+
+def test_presets_resolve_and_unknown_lists_names():
+    from components.algorithms.presets import PRESETS, resolve
+    from components.config.schema import AlgorithmConfig
+
+    for name in PRESETS:
+        resolve(AlgorithmConfig(name=name))
+    assert resolve(AlgorithmConfig(name="gspo")).policy_loss == "gspo"
+    assert resolve(AlgorithmConfig(name="dr_grpo")).norm_adv_by_std is False
+    assert resolve(AlgorithmConfig(name="grpo", policy_loss="cispo")).policy_loss == "cispo"
+    with pytest.raises(KeyError, match="Valid names"):
+        resolve(AlgorithmConfig(name="nope"))
