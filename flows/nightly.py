@@ -36,7 +36,7 @@ def nightly_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] |
         if not (Path(cfg.sft.output_dir) / "config.json").is_file():
             sft_flow(config, overrides)
         info = train_flow(config, overrides, pipeline, pipeline_version)
-        results = evaluate_flow(config, overrides)
+        results = evaluate_flow(config, overrides, str(Path(cfg.trainer.output_dir) / "eval.json"))
         reg = register(model_name, info["run_id"], results["final"]["acc"])
     return {"train": info, "eval": results, "registry": reg}
 

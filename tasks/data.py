@@ -10,7 +10,7 @@ from tasks.common import logger
 from components.config import Config
 from components.data.clean import CleanReport, clean_file
 from components.data.formats import ROW_SCHEMA, arithmetic_rows, gsm8k_rows
-from components.data.io import write_parquet
+from components.data.io import to_plain, write_parquet
 from components.models.tiny import build_char_tokenizer
 
 
@@ -64,12 +64,5 @@ def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
         rows = read_rows(path, key=key).to_dict("records")
         if not rows:
             raise DataError(f"{key}: {path} has no rows; run `reinforge clean` and check the quarantine folder")
-        out.append([_plain(r) for r in rows])
+        out.append([to_plain(r) for r in rows])
     return out[0], out[1]
-
-
-def _plain(row: dict) -> dict:
-    """numpy arrays from parquet back to lists, so rows travel as plain Python."""
-    from components.data.clean import _to_jsonable
-
-    return _to_jsonable(row)

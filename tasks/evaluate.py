@@ -7,12 +7,11 @@ from pathlib import Path
 from prefect import task
 
 from components.config import Config
-from components.data.io import read_rows, write_json
+from components.data.io import read_rows, to_plain, write_json
 from components.rollout.worker import RolloutWorker
 from components.tracking.mlflow_tracker import Tracker
 from components.training.seeding import derive_seed
 from tasks.common import STAGE
-from tasks.data import _plain
 
 METRICS = ("math_acc",)  # --metric names: math_acc = rule-scored accuracy (greedy) plus mean@k / pass@k
 
@@ -22,7 +21,7 @@ def evaluate_model(model_path: str, eval_path: str, cfg: Config) -> dict[str, fl
     """Greedy accuracy (`acc`) and sampled mean@k / pass@k of the model at `model_path`."""
     worker = RolloutWorker(model_path, cfg.engine.type, cfg.actor.model.dtype,
                            cfg.actor.model.attention_implementation, cfg.trainer.num_threads, key="--model_path")
-    rows = [_plain(r) for r in read_rows(eval_path, key="--eval_data").to_dict("records")]
+    rows = [to_plain(r) for r in read_rows(eval_path, key="--eval_data").to_dict("records")]
     rows = rows[:cfg.trainer.eval_size] if cfg.trainer.eval_size else rows
     m = worker.evaluate(rows, cfg.reward_model, cfg.trainer.eval_k, cfg.engine.max_new_tokens,
                         derive_seed(cfg.trainer.seed, "eval"), cfg.engine.temperature or 1.0)

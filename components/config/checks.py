@@ -23,8 +23,9 @@ def check_combinations(cfg: "Config") -> None:
     from components.algorithms import presets
 
     problems: list[str] = []
+    estimator = None
     try:
-        presets.resolve(cfg.algorithm)
+        estimator = presets.resolve(cfg.algorithm).adv_estimator
     except KeyError as exc:
         problems.append(str(exc.args[0]))
     if cfg.engine.type in ENGINE_PACKAGES:
@@ -32,10 +33,6 @@ def check_combinations(cfg: "Config") -> None:
         if importlib.util.find_spec(module) is None:
             problems.append(f"engine.type={cfg.engine.type}: package `{module}` is not installed. "
                             f"Install it with `{install}`, or set engine.type=hf.")
-    try:
-        estimator = presets.resolve(cfg.algorithm).adv_estimator
-    except KeyError:
-        estimator = None
     if estimator in ("grpo", "rloo", "grpo_passk", "opo", "reinforce_plus_plus_baseline") and cfg.engine.n < 2:
         problems.append(f"engine.n={cfg.engine.n}: {cfg.algorithm.name} compares completions of one prompt, "
                         "so it needs engine.n >= 2.")

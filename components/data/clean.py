@@ -16,7 +16,7 @@ import pandas as pd
 import pandera.pandas as pa
 
 from components.data.formats import ROW_SCHEMA, prompt_text
-from components.data.io import read_rows, write_parquet
+from components.data.io import read_rows, to_plain, write_parquet
 from components.errors import DataError
 
 
@@ -80,23 +80,9 @@ def _schema_failures(flat: pd.DataFrame) -> dict[int, str]:
         return reasons
 
 
-def _to_jsonable(v):
-    if hasattr(v, "tolist"):
-        return _to_jsonable(v.tolist())
-    if isinstance(v, dict):
-        return {str(k): _to_jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_to_jsonable(x) for x in v]
-    if isinstance(v, bytes):
-        return v.decode("utf-8", errors="backslashreplace")
-    if isinstance(v, float) and v != v:
-        return None
-    return v
-
-
 def _normalise(rec: dict) -> dict:
     """A kept row in the exact row format (numpy arrays from parquet back to lists)."""
-    rec = _to_jsonable(rec)
+    rec = to_plain(rec)
     extra = rec.get("extra_info") if isinstance(rec.get("extra_info"), dict) else {}
     return {
         "data_source": rec["data_source"],
@@ -138,7 +124,7 @@ def clean_rows(df: pd.DataFrame, count_tokens: Callable[[str], int], max_prompt_
     records = df.to_dict("records")
     kept = [_normalise(r) for i, r in enumerate(records) if i not in reasons]
     quarantined = [{"source_file": source_file, "source_row": i, "reason": reasons[i],
-                    "row_json": json.dumps(_to_jsonable(records[i]), sort_keys=True, default=str)}
+                    "row_json": json.dumps(to_plain(records[i]), sort_keys=True, default=str)}
                    for i in sorted(reasons)]
     if len(kept) + len(quarantined) != len(df):
         raise DataError(f"cleaning {source_file}: kept {len(kept)} + quarantined {len(quarantined)} != "

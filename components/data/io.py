@@ -60,3 +60,18 @@ def write_json(obj, path: str | Path) -> Path:
     """Write JSON atomically (sorted keys, so equal content gives equal bytes)."""
     text = json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n"
     return write_atomic(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def to_plain(v):
+    """numpy arrays and scalars from parquet -> plain Python (lists, dicts, str, numbers); NaN -> None."""
+    if hasattr(v, "tolist"):
+        return to_plain(v.tolist())
+    if isinstance(v, dict):
+        return {str(k): to_plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [to_plain(x) for x in v]
+    if isinstance(v, bytes):
+        return v.decode("utf-8", errors="backslashreplace")
+    if isinstance(v, float) and v != v:
+        return None
+    return v
