@@ -28,17 +28,26 @@ class AdvantageParams:
     lam: float = 1.0  # GAE lambda
 
 
+def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Dense group index (B,) in 0..n-1 for arbitrary ids, and n."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    return inverse, (int(inverse.max()) + 1 if inverse.numel() else 0)
+
+
+def group_sum(values: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Sum of `values` (B,) per group -> (n_groups,)."""
+    return torch.zeros(n_groups, dtype=values.dtype).index_add_(0, inverse, values)
+
+
 def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-response group mean, unbiased std and group size. scores (B,), group_ids (B,) -> 3 x (B,).
 
     A group of one gets mean 0 and std 1, as in verl, so its advantage is its raw score.
     """
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    count = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, inverse, torch.ones_like(scores))
-    total = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, inverse, scores)
-    mean = total / count
-    sq = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, inverse, (scores - mean[inverse]) ** 2)
+    inverse, n_groups = group_index(group_ids)
+    count = group_sum(torch.ones_like(scores), inverse, n_groups)
+    mean = group_sum(scores, inverse, n_groups) / count
+    sq = group_sum((scores - mean[inverse]) ** 2, inverse, n_groups)
     std = torch.sqrt(sq / (count - 1).clamp(min=1))
     single = count == 1
     mean = torch.where(single, torch.zeros_like(mean), mean)
@@ -132,11 +141,8 @@ def opo(token_rewards, response_mask, group_ids, values, params: AdvantageParams
     """OPO (arXiv 2505.23585): baseline = length-weighted group mean sum(|o_j| r_j) / sum |o_j|; A_i = r_i - b."""
     scores = (token_rewards * response_mask).sum(-1)
     lengths = response_mask.sum(-1)
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    n = int(inverse.max()) + 1 if inverse.numel() else 0
-    num = torch.zeros(n, dtype=scores.dtype).index_add_(0, inverse, lengths * scores)
-    den = torch.zeros(n, dtype=scores.dtype).index_add_(0, inverse, lengths)
-    baseline = (num / den.clamp(min=1))[inverse]
+    inverse, n = group_index(group_ids)
+    baseline = (group_sum(lengths * scores, inverse, n) / group_sum(lengths, inverse, n).clamp(min=1))[inverse]
     return _broadcast(scores - baseline, response_mask)
 
 

@@ -97,6 +97,15 @@ class PolicyLossParams:
     agg_mode: str = "token-mean"
 
 
+def _ratio_metrics(mask, agg: AggParams, log_ratio, clipped, clipped_lower) -> dict[str, torch.Tensor]:
+    """pg_clipfrac, pg_clipfrac_lower (fractions of masked tokens) and ppo_kl = mean(-log_ratio), where
+    log_ratio = logp - old_logp as the loss used it."""
+    tok = AggParams(agg.num_tokens, agg.num_seqs)
+    return {"actor/pg_clipfrac": token_mean(clipped.float(), mask, tok),
+            "actor/pg_clipfrac_lower": token_mean(clipped_lower.float(), mask, tok),
+            "actor/ppo_kl": token_mean(-log_ratio.detach(), mask, tok)}
+
+
 @POLICY_LOSSES.register("vanilla")
 def vanilla_ppo(logp, old_logp, advantages, mask, p: PolicyLossParams, agg: AggParams):
     """PPO clip (arXiv 1707.06347) with asymmetric bounds and dual clip (arXiv 1912.09729).
@@ -112,14 +121,8 @@ def vanilla_ppo(logp, old_logp, advantages, mask, p: PolicyLossParams, agg: AggP
     pg3 = -advantages * p.clip_ratio_c
     dual = torch.minimum(pg3, clipped)
     per_token = torch.where(advantages < 0, dual, clipped)
-    loss = agg_loss(per_token, mask, p.agg_mode, agg)
-    tok = AggParams(agg.num_tokens, agg.num_seqs)
-    metrics = {
-        "actor/pg_clipfrac": token_mean((pg2 > pg1).float(), mask, tok),
-        "actor/pg_clipfrac_lower": token_mean(((clipped > pg3) & (advantages < 0)).float(), mask, tok),
-        "actor/ppo_kl": token_mean(-neg_kl, mask, tok),
-    }
-    return loss, metrics
+    metrics = _ratio_metrics(mask, agg, neg_kl, pg2 > pg1, (clipped > pg3) & (advantages < 0))
+    return agg_loss(per_token, mask, p.agg_mode, agg), metrics
 
 
 @POLICY_LOSSES.register("gspo")
@@ -136,10 +139,7 @@ def gspo(logp, old_logp, advantages, mask, p: PolicyLossParams, agg: AggParams):
     pg1 = -advantages * ratio
     pg2 = -advantages * ratio.clamp(1 - p.clip_low, 1 + p.clip_high)
     per_token = torch.maximum(pg1, pg2)
-    tok = AggParams(agg.num_tokens, agg.num_seqs)
-    metrics = {"actor/pg_clipfrac": token_mean((pg2 > pg1).float(), mask, tok),
-               "actor/pg_clipfrac_lower": token_mean(torch.zeros_like(mask), mask, tok),
-               "actor/ppo_kl": token_mean((old_logp - logp), mask, tok)}
+    metrics = _ratio_metrics(mask, agg, logp - old_logp, pg2 > pg1, torch.zeros_like(mask, dtype=torch.bool))
     return agg_loss(per_token, mask, p.agg_mode, agg), metrics
 
 
@@ -150,8 +150,5 @@ def cispo(logp, old_logp, advantages, mask, p: PolicyLossParams, agg: AggParams)
     ratio = torch.exp((logp - old_logp).clamp(-20, 20))
     weight = ratio.clamp(1 - p.clip_low, 1 + p.clip_high).detach()
     per_token = -advantages * weight * logp
-    tok = AggParams(agg.num_tokens, agg.num_seqs)
-    metrics = {"actor/pg_clipfrac": token_mean((weight != ratio.detach()).float(), mask, tok),
-               "actor/pg_clipfrac_lower": token_mean((ratio.detach() < 1 - p.clip_low).float(), mask, tok),
-               "actor/ppo_kl": token_mean((old_logp - logp), mask, tok)}
+    metrics = _ratio_metrics(mask, agg, logp - old_logp, weight != ratio.detach(), ratio.detach() < 1 - p.clip_low)
     return agg_loss(per_token, mask, p.agg_mode, agg), metrics
