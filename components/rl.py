@@ -5,13 +5,20 @@ Workers and orchestration call these; none of them touches Ray, Prefect or MLflo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from components.algorithms.advantages import ADVANTAGES, AdvantageParams
+from components.algorithms.losses import explained_variance
+from components.algorithms.shaping import informative_groups, kl_in_reward, overlong_penalty
 from components.batch import Batch
 from components.rewards.registry import score_batch
 from components.rollout.base import RolloutOutput
 from components.rollout.hf import left_pad
+
+if TYPE_CHECKING:
+    from components.algorithms.presets import ResolvedAlgorithm
 
 
 def encode_prompts(tokenizer, rows: list[dict]) -> list[list[int]]:
@@ -42,38 +49,101 @@ def rollout_batch(rows: list[dict], prompt_ids: list[list[int]], out: RolloutOut
     )
 
 
-def decode_responses(tokenizer, batch: Batch) -> list[str]:
+def decode_responses(tokenizer, batch: Batch, key: str = "responses", mask_key: str = "response_mask") -> list[str]:
     t = batch.tensors
-    ids = [row[m.bool()].tolist() for row, m in zip(t["responses"], t["response_mask"])]
+    ids = [row[m.bool()].tolist() for row, m in zip(t[key], t[mask_key])]
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
-def add_rewards(batch: Batch, texts: list[str], reward_cfg) -> tuple[Batch, dict[str, float]]:
-    """Score each response; the sequence score sits on its last response token (token_rewards (N, R))."""
-    nt = batch.non_tensors
-    scores, invalid = score_batch(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"], reward_cfg)
+def _stats(name: str, x: torch.Tensor) -> dict[str, float]:
+    """{name}/mean, /max, /min of a 1-D tensor (0 when empty)."""
+    if not x.numel():
+        return {f"{name}/mean": 0.0, f"{name}/max": 0.0, f"{name}/min": 0.0}
+    return {f"{name}/mean": float(x.mean()), f"{name}/max": float(x.max()), f"{name}/min": float(x.min())}
+
+
+def add_rewards(batch: Batch, texts: list[str], reward_cfg, overlong: tuple[int, int, float] | None = None,
+                baseline_texts: list[str] | None = None) -> tuple[Batch, dict[str, float]]:
+    """Score each response; the sequence reward sits on its last response token (token_rewards (N, R)).
+
+    overlong = (max_len, buffer_len, factor) adds DAPO's overlong penalty to the reward (not to `scores`).
+    baseline_texts, one greedy completion per row (repeated over the n samples of a prompt), are scored once
+    per prompt into `baseline_values` (N, R) for remax. Rows whose score is invalid get valid = False.
+    """
+    nt, n = batch.non_tensors, batch.meta.get("n", 1)
+    scores, valid = score_batch(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"], reward_cfg)
     mask = batch.tensors["response_mask"]
-    token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
-    last = (mask.sum(-1) - 1).clamp(min=0)
-    token_rewards[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
-    s = torch.tensor(scores)
-    lengths = mask.sum(-1).float()
-    max_len = mask.shape[1]
-    metrics = {"critic/score/mean": float(s.mean()), "critic/score/max": float(s.max()),
-               "critic/score/min": float(s.min()), "reward/invalid_count": float(invalid),
-               "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-               "response_length/min": float(lengths.min()),
+    lengths = mask.sum(-1)
+    s = torch.tensor(scores, dtype=torch.float32)
+    rewards = s
+    metrics = {**_stats("critic/score", s), "reward/invalid_count": float(len(valid) - sum(valid)),
+               **_stats("response_length", lengths.float()),
                "prompt_length/mean": float(batch.tensors["prompt_mask"].sum(-1).float().mean())}
-    return batch.union(token_rewards=token_rewards, scores=s.float()), metrics
+    extra: dict[str, torch.Tensor] = {}
+    if overlong is not None and overlong[1] > 0:
+        penalty = overlong_penalty(lengths, *overlong)
+        rewards = s + penalty
+        metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+    if baseline_texts is not None:
+        per_prompt, _ = score_batch(baseline_texts[::n], nt["ground_truth"][::n], nt["data_source"][::n],
+                                    nt["extra_info"][::n], reward_cfg)
+        base = torch.tensor(per_prompt, dtype=torch.float32).repeat_interleave(n)
+        extra["baseline_values"] = base[:, None] * mask
+        metrics["reward/greedy_baseline_mean"] = float(base.mean())
+    token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
+    last = (lengths - 1).clamp(min=0)
+    token_rewards[torch.arange(len(scores)), last] = rewards
+    metrics.update(_stats("critic/rewards", rewards))
+    return batch.union(token_rewards=token_rewards, scores=s, valid=torch.tensor(valid), **extra), metrics
 
 
-def add_advantages(batch: Batch, estimator: str, params: AdvantageParams) -> tuple[Batch, dict[str, float]]:
+def add_advantages(batch: Batch, algo: "ResolvedAlgorithm", kl_coef: float | None = None,
+                   kl_kind: str = "k1") -> tuple[Batch, dict[str, float]]:
+    """Advantages and returns by the resolved algorithm's estimator.
+
+    kl_coef (use_kl_in_reward) subtracts kl_coef x KL(old, ref) from the token rewards first; the measured
+    KL is returned as `actor/reward_kl_penalty` for the adaptive controller. Rows with an invalid reward get
+    zero advantage, sit in groups of their own (outside everyone else's baseline) and are masked out of
+    response_mask, so they never reach a loss.
+    """
     t = batch.tensors
-    mask = t["response_mask"].float()
-    adv, returns = ADVANTAGES.get(estimator)(t["token_rewards"], mask, t["group_ids"], t.get("values"), params)
-    valid = adv[mask.bool()]
-    ret = returns[mask.bool()]
-    metrics = {"critic/advantages/mean": float(valid.mean()), "critic/advantages/max": float(valid.max()),
-               "critic/advantages/min": float(valid.min()), "critic/returns/mean": float(ret.mean()),
-               "critic/returns/max": float(ret.max()), "critic/returns/min": float(ret.min())}
-    return batch.union(advantages=adv, returns=returns), metrics
+    valid = t["valid"].bool() if "valid" in t else torch.ones(len(batch), dtype=torch.bool)
+    mask = t["response_mask"].float() * valid[:, None]
+    alone = -torch.arange(1, len(batch) + 1)  # negative ids never clash with the rollout's 0..B-1
+    group_ids = torch.where(valid, t["group_ids"], alone)
+    token_rewards, metrics = t["token_rewards"], {}
+    if kl_coef is not None:
+        token_rewards, kl = kl_in_reward(token_rewards, t["old_logprobs"], t["ref_logprobs"], mask, kl_coef, kl_kind)
+        metrics.update({"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": kl_coef})
+    values = t["values"] if "values" in t else t.get("baseline_values")
+    params = AdvantageParams(norm_adv_by_std=algo.norm_adv_by_std, gamma=algo.gamma, lam=algo.lam)
+    adv, returns = ADVANTAGES.get(algo.adv_estimator)(token_rewards, mask, group_ids, values, params)
+    on = mask.bool()
+    metrics.update({**_stats("critic/advantages", adv[on]), **_stats("critic/returns", returns[on])})
+    if "values" in t:
+        metrics.update({**_stats("critic/values", t["values"][on]),
+                        "critic/vf_explained_var": explained_variance(t["values"], returns, mask)})
+    return batch.union(advantages=adv, returns=returns, response_mask=mask.long()), metrics
+
+
+def informative_rows(batch: Batch) -> Batch:
+    """DAPO's dynamic sampling: only the rows of groups whose scores are not all equal."""
+    keep = informative_groups(batch.tensors["scores"], batch.tensors["group_ids"])
+    return batch.select(keep.nonzero().squeeze(-1))
+
+
+def concat_rounds(parts: list[Batch]) -> Batch:
+    """Batches from several generation rounds as one, group ids renumbered so rounds never share a group."""
+    out, offset = [], 0
+    for p in parts:
+        ids = p.tensors["group_ids"]
+        out.append(p.union(group_ids=ids + offset))
+        offset += int(ids.max()) + 1 if len(ids) else 0
+    return Batch.concat(out)
+
+
+def first_groups(batch: Batch, n_groups: int) -> Batch:
+    """The rows of the first `n_groups` distinct groups, in order."""
+    ids = batch.tensors["group_ids"]
+    keep_ids = list(dict.fromkeys(ids.tolist()))[:n_groups]
+    return batch.select(torch.isin(ids, torch.tensor(keep_ids, dtype=ids.dtype)).nonzero().squeeze(-1))

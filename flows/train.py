@@ -1,6 +1,9 @@
-"""The RL training flow: gen -> reward -> adv -> update_actor -> update_weights -> testing -> checkpoint.
+"""The RL training flow: gen -> reward -> [old_log_prob/ref/values] -> adv -> [update_critic] ->
+update_actor -> update_weights -> testing -> checkpoint.
 
-Every stage is a task; this flow only orders them, times them and decides when to test and save.
+Every stage is a task; this flow only orders them, times them and decides when to test and save. With
+DAPO's dynamic sampling, gen and reward repeat (up to algorithm.max_num_gen_batches rounds) until the batch
+holds data.batch_size groups whose rewards differ.
 """
 
 from __future__ import annotations
@@ -11,23 +14,50 @@ from datetime import datetime, timezone
 
 from prefect import flow
 
+from components.algorithms.presets import resolve
+from components.algorithms.shaping import KLController, group_counts
 from components.config import load_config
 from components.data.sampler import PromptSampler
 from components.models.loading import load_tokenizer
+from components.rl import concat_rounds, first_groups, informative_rows
 from components.progress import console, iteration_line, progress_bar
 from components.training.ray_workers import stop_workers
 from flows._args import check_config, config_parser, run_cli
 from tasks.data import load_datasets
-from tasks.rl import compute_advantages, evaluate_policy, generate_rollouts, score_rewards, start_workers, \
-    sync_weights, update_policy
+from tasks.rl import compute_advantages, evaluate_policy, generate_rollouts, prepare_batch, score_rewards, \
+    start_workers, sync_weights, update_critic, update_policy
 from tasks.tracking import finalize, log_metrics, save_checkpoint, start_run
 
 
 def _timed(timings: dict, name: str, fn, *args):
+    """Run fn(*args), adding its seconds to timing_s/{name} (stages that repeat add up)."""
     start = time.perf_counter()
     out = fn(*args)
-    timings[f"timing_s/{name}"] = time.perf_counter() - start
+    key = f"timing_s/{name}"
+    timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
     return out
+
+
+def _collect_batch(timings, workers, sampler, train_rows, tokenizer, cfg, it, version):
+    """gen + reward; with dynamic sampling, more rounds until data.batch_size informative groups are kept."""
+    def one_round(round_: int):
+        rows = [train_rows[i] for i in sampler.next_indices()]
+        batch = _timed(timings, "gen", generate_rollouts, workers, rows, cfg, it, version, round_)
+        return _timed(timings, "reward", score_rewards, batch, tokenizer, cfg)
+
+    batch, metrics = one_round(0)
+    if not resolve(cfg.algorithm).dynamic_sampling:
+        return batch, metrics
+    kept, rounds = [informative_rows(batch)], 1
+    while group_counts(concat_rounds(kept).tensors["group_ids"]) < cfg.data.batch_size \
+            and rounds < cfg.algorithm.max_num_gen_batches:
+        kept.append(informative_rows(one_round(rounds)[0]))
+        rounds += 1
+    filtered = first_groups(concat_rounds(kept), cfg.data.batch_size)
+    groups = group_counts(filtered.tensors["group_ids"])
+    metrics.update({"dynamic_sampling/groups_kept": float(groups), "dynamic_sampling/gen_rounds": float(rounds)})
+    # no informative group at all: keep the first round, whose advantages are all zero (a no-op policy step)
+    return (filtered if groups else batch), metrics
 
 
 @flow(name="rl-train")
@@ -41,6 +71,8 @@ def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | N
     tokenizer = load_tokenizer(cfg.actor.model.path)
     tracker = start_run(cfg, pipeline, pipeline_version, run_name)
     sampler = PromptSampler(len(train_rows), cfg.data.batch_size, cfg.data.shuffle, t.seed)
+    algo, a = resolve(cfg.algorithm), cfg.algorithm
+    kl_ctrl = KLController(a.kl_coef, a.kl_ctrl, a.kl_target, a.kl_horizon) if a.use_kl_in_reward else None
     history: list[dict] = []
     version = 0
     workers = None
@@ -50,13 +82,19 @@ def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | N
             for it in range(1, t.iterations + 1):
                 timings: dict[str, float] = {}
                 step_start = time.perf_counter()
-                rows = [train_rows[i] for i in sampler.next_indices()]
-                batch = _timed(timings, "gen", generate_rollouts, workers, rows, cfg, it, version)
-                batch, m_reward = _timed(timings, "reward", score_rewards, batch, tokenizer, cfg)
-                batch, m_adv = _timed(timings, "adv", compute_advantages, batch, cfg)
+                batch, m_reward = _collect_batch(timings, workers, sampler, train_rows, tokenizer, cfg, it, version)
+                if algo.needs_critic or kl_ctrl is not None:
+                    batch, t_prep = prepare_batch(workers, batch)
+                    timings.update(t_prep)
+                batch, m_adv = _timed(timings, "adv", compute_advantages, batch, cfg,
+                                      kl_ctrl.value if kl_ctrl else None)
+                if kl_ctrl is not None:
+                    kl_ctrl.update(m_adv["actor/reward_kl_penalty"], len(batch))
+                m_critic = _timed(timings, "update_critic", update_critic, workers, batch) if algo.needs_critic \
+                    else {}
                 m_actor = _timed(timings, "update_actor", update_policy, workers, batch)
                 version = _timed(timings, "update_weights", sync_weights, workers)
-                metrics = {**m_reward, **m_adv, **m_actor}
+                metrics = {**m_reward, **m_adv, **m_critic, **m_actor}
                 if it % t.test_interval == 0 or it == t.iterations:
                     metrics.update(_timed(timings, "testing", evaluate_policy, workers, eval_rows, cfg))
                 if it % t.save_interval == 0 or it == t.iterations:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ray
 from prefect import task
 
-from components.algorithms.advantages import AdvantageParams
 from components.algorithms.presets import resolve
 from components.batch import Batch
 from components.config import Config
@@ -30,22 +29,42 @@ def start_workers(cfg: Config) -> Workers:
 
 
 @task(name="gen", retries=2, retry_condition_fn=retry_transient, **STAGE)
-def generate_rollouts(workers: Workers, rows: list[dict], cfg: Config, iteration: int, version: int) -> Batch:
-    """engine.n completions per prompt, sampled with weights `version` (checked by the engine)."""
-    seed = derive_seed(cfg.trainer.seed, iteration, "rollout")
-    return ray.get(workers.rollout.generate.remote(rows, sampling_params(cfg), seed, iteration, version))
+def generate_rollouts(workers: Workers, rows: list[dict], cfg: Config, iteration: int, version: int,
+                      round_: int = 0) -> Batch:
+    """engine.n completions per prompt, sampled with weights `version` (checked by the engine); remax also
+    gets one greedy completion per prompt. `round_` counts dynamic sampling's extra rounds."""
+    seed = derive_seed(cfg.trainer.seed, iteration, "rollout", *([round_] if round_ else []))
+    greedy = resolve(cfg.algorithm).needs_baseline
+    return ray.get(workers.rollout.generate.remote(rows, sampling_params(cfg), seed, iteration, version, greedy))
 
 
 @task(name="reward", **STAGE)
 def score_rewards(batch: Batch, tokenizer, cfg: Config) -> tuple[Batch, dict[str, float]]:
-    """Decode responses and score them with the scorer of each row's data_source."""
-    return add_rewards(batch, decode_responses(tokenizer, batch), cfg.reward_model)
+    """Decode responses and score them with the scorer of each row's data_source (plus DAPO's overlong
+    penalty, and the greedy baseline's score for remax)."""
+    algo = resolve(cfg.algorithm)
+    max_len = cfg.engine.max_new_tokens
+    overlong = (max_len, round(algo.overlong_buffer_frac * max_len), cfg.algorithm.overlong_penalty_factor)
+    baseline = decode_responses(tokenizer, batch, "baseline_responses", "baseline_mask") \
+        if "baseline_responses" in batch.tensors else None
+    return add_rewards(batch, decode_responses(tokenizer, batch), cfg.reward_model, overlong, baseline)
+
+
+@task(name="old-log-prob", **STAGE)
+def prepare_batch(workers: Workers, batch: Batch) -> tuple[Batch, dict[str, float]]:
+    """Old and reference log-probs and critic values, when the advantages need them; with per-stage seconds."""
+    return ray.get(workers.policy.prepare.remote(batch))
 
 
 @task(name="adv", **STAGE)
-def compute_advantages(batch: Batch, cfg: Config) -> tuple[Batch, dict[str, float]]:
-    algo = resolve(cfg.algorithm)
-    return add_advantages(batch, algo.adv_estimator, AdvantageParams(norm_adv_by_std=algo.norm_adv_by_std))
+def compute_advantages(batch: Batch, cfg: Config, kl_coef: float | None = None) -> tuple[Batch, dict[str, float]]:
+    """Advantages by the preset's estimator; kl_coef subtracts the KL to the reference from the rewards."""
+    return add_advantages(batch, resolve(cfg.algorithm), kl_coef, cfg.algorithm.kl_penalty)
+
+
+@task(name="update-critic", **STAGE)
+def update_critic(workers: Workers, batch: Batch) -> dict[str, float]:
+    return ray.get(workers.policy.update_critic.remote(batch))
 
 
 @task(name="update-actor", **STAGE)

@@ -4,14 +4,20 @@ Every estimator is `fn(token_rewards, response_mask, group_ids, values, params) 
   token_rewards (B, T) float: reward per response token (the sequence score sits on its last token)
   response_mask (B, T) {0,1}: 1 on generated tokens
   group_ids     (B,)   long: responses to the same prompt share an id
-  values        (B, T) float or None: critic values (GAE only)
+  values        (B, T) float or None: critic values (gae), or the greedy-decode baseline score
+                broadcast over the tokens (remax); None for the others
 returns advantages (B, T) and returns (B, T), both zero where response_mask is 0.
 Formulas follow verl's core_algos (see ../shared/reference/anchors.md).
+
+What an estimator needs is registered with it and read with `ADVANTAGES.info(name)`:
+  grouped=True          compares completions of one prompt (needs engine.n >= 2)
+  needs_values=True     critic values (the PPO preset trains a critic)
+  needs_baseline=True   the score of a greedy completion per prompt (the rollout stage samples it)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,7 +63,7 @@ def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Te
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / std over the masked entries (unbiased variance); zero outside the mask."""
-    n = mask.sum()
+    n = mask.sum().clamp(min=1)
     mean = (x * mask).sum() / n
     var = (((x - mean) ** 2) * mask).sum() / (n - 1).clamp(min=1)
     return (x - mean) * torch.rsqrt(var + eps) * mask
@@ -68,7 +74,7 @@ def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor,
     return adv, adv
 
 
-@ADVANTAGES.register("grpo")
+@ADVANTAGES.register("grpo", grouped=True)
 def grpo(token_rewards, response_mask, group_ids, values, params: AdvantageParams):
     """GRPO (arXiv 2402.03300): A_i = (r_i - mean_g) / (std_g + eps); Dr.GRPO drops the division."""
     scores = (token_rewards * response_mask).sum(-1)
@@ -79,7 +85,14 @@ def grpo(token_rewards, response_mask, group_ids, values, params: AdvantageParam
     return _broadcast(adv, response_mask)
 
 
-@ADVANTAGES.register("rloo")
+@ADVANTAGES.register("dr_grpo", grouped=True)
+def dr_grpo(token_rewards, response_mask, group_ids, values, params: AdvantageParams):
+    """Dr.GRPO (arXiv 2503.20783): A_i = r_i - mean_g, whatever norm_adv_by_std says (pair it with the
+    seq-mean-token-sum-norm aggregation, as the dr_grpo preset does)."""
+    return grpo(token_rewards, response_mask, group_ids, values, replace(params, norm_adv_by_std=False))
+
+
+@ADVANTAGES.register("rloo", grouped=True)
 def rloo(token_rewards, response_mask, group_ids, values, params: AdvantageParams):
     """RLOO (arXiv 2402.14740): A_i = r_i - mean of the others = n/(n-1) (r_i - mean_g); a group of one keeps r_i."""
     scores = (token_rewards * response_mask).sum(-1)
@@ -88,7 +101,7 @@ def rloo(token_rewards, response_mask, group_ids, values, params: AdvantageParam
     return _broadcast((scores - mean) * scale, response_mask)
 
 
-@ADVANTAGES.register("reinforce_plus_plus_baseline")
+@ADVANTAGES.register("reinforce_plus_plus_baseline", grouped=True)
 def reinforce_plus_plus_baseline(token_rewards, response_mask, group_ids, values, params: AdvantageParams):
     """REINFORCE++-baseline (arXiv 2501.03262): r_i - mean_g broadcast over tokens, then whitened over the batch."""
     scores = (token_rewards * response_mask).sum(-1)
@@ -115,7 +128,7 @@ def reinforce_plus_plus(token_rewards, response_mask, group_ids, values, params:
     return masked_whiten(returns, response_mask), returns
 
 
-@ADVANTAGES.register("gae")
+@ADVANTAGES.register("gae", needs_values=True)
 def gae(token_rewards, response_mask, group_ids, values, params: AdvantageParams):
     """GAE (arXiv 1506.02438): delta_t = r_t + gamma V_{t+1} - V_t; A_t = delta_t + gamma lam A_{t+1};
     returns = A + V; advantages whitened over the masked tokens. Masked positions are skipped."""
@@ -136,7 +149,7 @@ def gae(token_rewards, response_mask, group_ids, values, params: AdvantageParams
     return masked_whiten(adv, response_mask), returns
 
 
-@ADVANTAGES.register("opo")
+@ADVANTAGES.register("opo", grouped=True)
 def opo(token_rewards, response_mask, group_ids, values, params: AdvantageParams):
     """OPO (arXiv 2505.23585): baseline = length-weighted group mean sum(|o_j| r_j) / sum |o_j|; A_i = r_i - b."""
     scores = (token_rewards * response_mask).sum(-1)
@@ -146,19 +159,31 @@ def opo(token_rewards, response_mask, group_ids, values, params: AdvantageParams
     return _broadcast(scores - baseline, response_mask)
 
 
-@ADVANTAGES.register("grpo_passk")
+@ADVANTAGES.register("grpo_passk", grouped=True)
 def grpo_passk(token_rewards, response_mask, group_ids, values, params: AdvantageParams):
     """Pass@k GRPO (arXiv 2503.19595): only the best response of a group gets (r_max - r_2nd) / (std + eps)
-    (no std division when norm_adv_by_std is False); every other response gets 0. Groups need >= 2 responses."""
+    (no std division when norm_adv_by_std is False); every other response, and a group of one, gets 0."""
     scores = (token_rewards * response_mask).sum(-1)
-    _, std, count = group_stats(scores, group_ids)
-    if bool((count < 2).any()):
-        raise ValueError("grpo_passk needs at least 2 responses per prompt (engine.n >= 2)")
+    _, std, _ = group_stats(scores, group_ids)
     adv = torch.zeros_like(scores)
     for gid in torch.unique(group_ids):
         idx = (group_ids == gid).nonzero().squeeze(-1)
+        if len(idx) < 2:
+            continue
         top2 = torch.topk(scores[idx], 2)
         gap = top2.values[0] - top2.values[1]
         best = idx[top2.indices[0]]
         adv[best] = gap / (std[best] + params.epsilon) if params.norm_adv_by_std else gap
     return _broadcast(adv, response_mask)
+
+
+@ADVANTAGES.register("remax", needs_baseline=True)
+def remax(token_rewards, response_mask, group_ids, values, params: AdvantageParams):
+    """ReMax (arXiv 2310.10505): A_t = G_t - b, where G_t is the undiscounted reward-to-go and b the score of
+    the greedy completion for the same prompt, given here as `values` (B, T). No whitening (as in verl)."""
+    if values is None:
+        raise ValueError("remax needs the greedy-decode baseline; use algorithm.name=remax, whose rollout stage "
+                         "samples one greedy completion per prompt")
+    returns = discounted_returns(token_rewards * response_mask, response_mask, 1.0)
+    adv = (returns - values) * response_mask
+    return adv, returns

@@ -152,3 +152,26 @@ def cispo(logp, old_logp, advantages, mask, p: PolicyLossParams, agg: AggParams)
     per_token = -advantages * weight * logp
     metrics = _ratio_metrics(mask, agg, logp - old_logp, weight != ratio.detach(), ratio.detach() < 1 - p.clip_low)
     return agg_loss(per_token, mask, p.agg_mode, agg), metrics
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               cliprange: float, agg_mode: str, agg: AggParams) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss (PPO's critic): 1/2 agg(max((v - R)^2, (clip(v, v_old +- c) - R)^2)).
+
+    values, old_values, returns, mask: (B, T). Returns the scalar loss and critic/vf_clipfrac, the fraction
+    of masked tokens where the clipped term is the larger one.
+    """
+    clipped = old_values + (values - old_values).clamp(-cliprange, cliprange)
+    vf1 = (values - returns) ** 2
+    vf2 = (clipped - returns) ** 2
+    loss = 0.5 * agg_loss(torch.maximum(vf1, vf2), mask, agg_mode, agg)
+    tok = AggParams(agg.num_tokens, agg.num_seqs)
+    return loss, {"critic/vf_clipfrac": token_mean((vf2 > vf1).float(), mask, tok)}
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over masked tokens (1 = perfect critic, 0 = no better than a constant)."""
+    m = mask.bool()
+    r, v = returns[m], values[m]
+    var_r = r.var(unbiased=False)
+    return float(1 - (r - v).var(unbiased=False) / var_r) if var_r > 0 else 0.0

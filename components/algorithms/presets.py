@@ -1,4 +1,7 @@
-"""`algorithm.name` presets: defaults over the knobs, each overridable key by key."""
+"""`algorithm.name` presets: defaults over the knobs, each overridable key by key.
+
+A preset names only what it changes from BASE; a key the user sets (not None) wins over both.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +14,23 @@ from components.algorithms.losses import AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
 if TYPE_CHECKING:
     from components.config.schema import AlgorithmConfig
 
+BASE: dict = {"adv_estimator": "grpo", "loss_agg_mode": "token-mean", "norm_adv_by_std": True,
+              "policy_loss": "vanilla", "gamma": 1.0, "lam": 1.0, "clip_ratio_high": None,
+              "dynamic_sampling": False, "overlong_buffer_frac": 0.0}
+
 PRESETS: dict[str, dict] = {
-    "grpo": {"adv_estimator": "grpo", "loss_agg_mode": "token-mean", "norm_adv_by_std": True},
-    "dr_grpo": {"adv_estimator": "grpo", "loss_agg_mode": "seq-mean-token-sum-norm", "norm_adv_by_std": False},
-    "rloo": {"adv_estimator": "rloo", "loss_agg_mode": "token-mean", "norm_adv_by_std": False},
-    "gspo": {"adv_estimator": "grpo", "loss_agg_mode": "seq-mean-token-mean", "norm_adv_by_std": True,
-             "policy_loss": "gspo"},
-    "reinforce_plus_plus": {"adv_estimator": "reinforce_plus_plus", "loss_agg_mode": "token-mean",
-                            "norm_adv_by_std": False},
-    "reinforce_plus_plus_baseline": {"adv_estimator": "reinforce_plus_plus_baseline",
-                                     "loss_agg_mode": "token-mean", "norm_adv_by_std": False},
+    "grpo": {},
+    # PPO with a critic: GAE advantages (verl's defaults gamma = lam = 1), actor and critic trained together
+    "ppo": {"adv_estimator": "gae"},
+    # Dr.GRPO (arXiv 2503.20783): no std division, a constant normaliser instead of the length
+    "dr_grpo": {"adv_estimator": "dr_grpo", "loss_agg_mode": "seq-mean-token-sum-norm", "norm_adv_by_std": False},
+    # DAPO (arXiv 2503.14476): clip-higher 0.28, token-level loss, dynamic sampling, overlong shaping (20 %)
+    "dapo": {"clip_ratio_high": 0.28, "dynamic_sampling": True, "overlong_buffer_frac": 0.2},
+    "rloo": {"adv_estimator": "rloo", "norm_adv_by_std": False},
+    "reinforce_plus_plus": {"adv_estimator": "reinforce_plus_plus", "norm_adv_by_std": False},
+    "reinforce_plus_plus_baseline": {"adv_estimator": "reinforce_plus_plus_baseline", "norm_adv_by_std": False},
+    "remax": {"adv_estimator": "remax", "norm_adv_by_std": False},
+    "gspo": {"loss_agg_mode": "seq-mean-token-mean", "policy_loss": "gspo"},
 }
 
 
@@ -30,20 +40,38 @@ class ResolvedAlgorithm:
     loss_agg_mode: str
     norm_adv_by_std: bool
     policy_loss: str
+    gamma: float
+    lam: float
+    clip_ratio_high: float  # the upper clip, clip_epsilon when neither the user nor the preset sets it
+    dynamic_sampling: bool
+    overlong_buffer_frac: float
     kl_loss_type: str
+    use_kl_loss: bool  # the KL term is in the actor's loss
+    needs_reference: bool  # a frozen reference policy is loaded (KL loss or KL in reward)
+    needs_critic: bool  # the estimator needs critic values
+    needs_baseline: bool  # the rollout stage samples a greedy baseline completion per prompt
+    grouped: bool  # the estimator compares completions of one prompt
 
 
 def resolve(cfg: "AlgorithmConfig") -> ResolvedAlgorithm:
     """Fill the preset's defaults into unset knobs; KeyError (naming the key and valid names) on a bad name."""
     if cfg.name not in PRESETS:
         raise KeyError(f"algorithm.name={cfg.name}: unknown preset. Valid names: {', '.join(sorted(PRESETS))}.")
-    base = PRESETS[cfg.name]
-    pick = lambda key: getattr(cfg, key) if getattr(cfg, key) is not None else base[key]  # noqa: E731
-    policy_loss = cfg.policy_loss or base.get("policy_loss", "vanilla")
-    out = ResolvedAlgorithm(pick("adv_estimator"), pick("loss_agg_mode"), pick("norm_adv_by_std"), policy_loss,
-                            cfg.kl_loss_type)
-    ADVANTAGES.get(out.adv_estimator)
-    AGG_MODES.get(out.loss_agg_mode)
-    POLICY_LOSSES.get(out.policy_loss)
-    KL_ESTIMATORS.get(out.kl_loss_type.rstrip("+"))
-    return out
+    preset = {**BASE, **PRESETS[cfg.name]}
+    knobs = {k: getattr(cfg, k) if getattr(cfg, k) is not None else v for k, v in preset.items()}
+    if knobs["clip_ratio_high"] is None:
+        knobs["clip_ratio_high"] = cfg.clip_epsilon
+    info = ADVANTAGES.info(knobs["adv_estimator"])
+    AGG_MODES.get(knobs["loss_agg_mode"])
+    POLICY_LOSSES.get(knobs["policy_loss"])
+    for key, kind in (("kl_loss_type", cfg.kl_loss_type), ("kl_penalty", cfg.kl_penalty)):
+        if kind.rstrip("+") not in KL_ESTIMATORS:
+            raise KeyError(f"algorithm.{key}={kind}: unknown KL estimator. Valid names: "
+                           f"{', '.join(KL_ESTIMATORS.names())} (add `+` for the straight-through form).")
+    use_kl_loss = cfg.use_kl_loss if cfg.use_kl_loss is not None else cfg.kl_loss_coef > 0
+    use_kl_loss = use_kl_loss and cfg.kl_loss_coef > 0
+    return ResolvedAlgorithm(**knobs, kl_loss_type=cfg.kl_loss_type, use_kl_loss=use_kl_loss,
+                             needs_reference=use_kl_loss or cfg.use_kl_in_reward,
+                             needs_critic=bool(info.get("needs_values")),
+                             needs_baseline=bool(info.get("needs_baseline")), grouped=bool(info.get("grouped")))
+

@@ -23,9 +23,9 @@ def check_combinations(cfg: "Config") -> None:
     from components.algorithms import presets
 
     problems: list[str] = []
-    estimator = None
+    algo = None
     try:
-        estimator = presets.resolve(cfg.algorithm).adv_estimator
+        algo = presets.resolve(cfg.algorithm)
     except KeyError as exc:
         problems.append(str(exc.args[0]))
     if cfg.engine.type in ENGINE_PACKAGES:
@@ -33,8 +33,9 @@ def check_combinations(cfg: "Config") -> None:
         if importlib.util.find_spec(module) is None:
             problems.append(f"engine.type={cfg.engine.type}: package `{module}` is not installed. "
                             f"Install it with `{install}`, or set engine.type=hf.")
-    if estimator in ("grpo", "rloo", "grpo_passk", "opo", "reinforce_plus_plus_baseline") and cfg.engine.n < 2:
-        problems.append(f"engine.n={cfg.engine.n}: {cfg.algorithm.name} compares completions of one prompt, "
+    if algo is not None and (algo.grouped or algo.dynamic_sampling) and cfg.engine.n < 2:
+        what = algo.adv_estimator if algo.grouped else "dynamic sampling"
+        problems.append(f"engine.n={cfg.engine.n}: {what} compares completions of one prompt, "
                         "so it needs engine.n >= 2.")
     responses = cfg.data.batch_size * cfg.engine.n
     if responses % cfg.trainer.num_workers:

@@ -30,6 +30,20 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
     return tree
 
 
+# Other frameworks' names for our keys: (section, alias) -> key. Renamed in the file and in the overrides
+# before they are merged, so a later `algorithm.beta=` override still wins over the file's kl_loss_coef.
+ALIASES = {("algorithm", "beta"): "kl_loss_coef"}
+
+
+def _rename_aliases(tree: dict[str, Any]) -> dict[str, Any]:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    for (section, alias), key in ALIASES.items():
+        node = out.get(section)
+        if isinstance(node, dict) and alias in node:
+            node[key] = node.pop(alias)
+    return out
+
+
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in extra.items():
@@ -58,7 +72,8 @@ def _explain(err: dict) -> str:
     if err["type"] == "extra_forbidden":
         section = _section_at(loc)
         valid = sorted(section.model_fields) if section else []
-        close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+        aliases = [alias for (sec, alias) in ALIASES if len(loc) == 2 and sec == loc[0]]
+        close = difflib.get_close_matches(str(loc[-1]), valid + aliases, n=1)
         hint = f" Did you mean `{'.'.join([*map(str, loc[:-1]), close[0]])}`?" if close else ""
         return f"{key}: unknown key.{hint} Valid keys here: {', '.join(valid)}."
     section = _section_at(loc)
@@ -81,7 +96,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
             raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(raw).__name__}")
-    raw = _merge(raw, parse_overrides(overrides))
+    raw = _merge(_rename_aliases(raw), _rename_aliases(parse_overrides(overrides)))
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:

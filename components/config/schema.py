@@ -1,6 +1,6 @@
 """Typed configuration: one pydantic model per section, one line of help per field.
 
-Key names follow verl's guide (`algorithm.beta`, `actor.optimizer.lr`, `engine.n`, ...). Every model
+Key names follow verl's guide (`algorithm.kl_loss_coef`, `actor.optimizer.lr`, `engine.n`, ...). Every model
 forbids unknown keys, so a typo fails before any work starts; `components.config.load` turns the
 pydantic error into one that names the key and the fix.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 
 class Section(BaseModel):
@@ -19,17 +19,43 @@ class Section(BaseModel):
 
 
 class AlgorithmConfig(Section):
-    name: str = Field("grpo", description="preset: grpo, dr_grpo, rloo, gspo, reinforce_plus_plus(_baseline)")
+    """Keys left as None take the preset's value (components/algorithms/presets.py); any key overrides it."""
+
+    name: str = Field("grpo", description="preset: grpo, ppo, dr_grpo, dapo, rloo, reinforce_plus_plus(_baseline), "
+                                          "remax, gspo")
     adv_estimator: str | None = Field(None, description="advantage estimator; None = the preset's")
-    beta: float = Field(0.0, ge=0, description="KL-to-reference loss coefficient (0 disables the reference)")
-    kl_loss_type: str = Field("low_var_kl", description="KL estimator: k1, abs, mse/k2, low_var_kl/k3")
-    clip_epsilon: float = Field(0.2, gt=0, lt=1, description="PPO clip range for the importance ratio")
-    clip_ratio_high: float | None = Field(None, gt=0, description="upper clip (DAPO clip-higher); None = clip_epsilon")
-    clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages")
+    norm_adv_by_std: bool | None = Field(None, description="divide GRPO advantages by group std; None = preset")
+    gamma: float | None = Field(None, ge=0, le=1, description="discount for gae / reinforce_plus_plus; None = preset")
+    lam: float | None = Field(None, ge=0, le=1, description="GAE lambda; None = the preset's")
     policy_loss: str | None = Field(None, description="policy loss: vanilla, gspo, cispo; None = the preset's")
     loss_agg_mode: str | None = Field(None, description="loss aggregation; None = the preset's")
-    norm_adv_by_std: bool | None = Field(None, description="divide GRPO advantages by group std; None = preset")
+    clip_epsilon: float = Field(0.2, gt=0, lt=1, description="PPO clip range (verl: clip_ratio_low)")
+    clip_ratio_high: float | None = Field(None, gt=0, description="upper clip (DAPO clip-higher); None = preset")
+    clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages")
+    use_kl_loss: bool | None = Field(None, description="add kl_loss_coef x KL(pi, pi_ref) to the loss; None = "
+                                                       "on when kl_loss_coef > 0")
+    kl_loss_coef: float = Field(0.0, ge=0, validation_alias=AliasChoices("kl_loss_coef", "beta"),
+                                description="KL-to-reference loss coefficient (TRL: beta; 0 = no reference)")
+    kl_loss_type: str = Field("low_var_kl", description="KL estimator: k1, abs, mse/k2, low_var_kl/k3; `+` = "
+                                                        "straight-through")
+    use_kl_in_reward: bool = Field(False, description="subtract kl_coef x KL(old, ref) from token rewards")
+    kl_penalty: str = Field("k1", description="KL estimator for the in-reward penalty")
+    kl_ctrl: Literal["fixed", "adaptive"] = Field("fixed", description="in-reward KL coefficient controller")
+    kl_coef: float = Field(0.001, ge=0, description="in-reward KL coefficient (the adaptive controller's start)")
+    kl_target: float = Field(0.1, gt=0, description="adaptive controller: target KL per token")
+    kl_horizon: int = Field(10000, ge=1, description="adaptive controller: horizon in samples")
     entropy_coeff: float = Field(0.0, ge=0, description="entropy bonus coefficient")
+    dynamic_sampling: bool | None = Field(None, description="DAPO: drop groups with all-equal rewards and refill; "
+                                                            "None = preset")
+    max_num_gen_batches: int = Field(3, ge=1, description="dynamic sampling: generation rounds per iteration")
+    overlong_buffer_frac: float | None = Field(None, ge=0, lt=1, description="DAPO overlong penalty over the last "
+                                               "fraction of engine.max_new_tokens (0 = off); None = preset")
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="DAPO overlong penalty at max_new_tokens")
+
+    @property
+    def beta(self) -> float:
+        """TRL's name for kl_loss_coef."""
+        return self.kl_loss_coef
 
 
 class ModelConfig(Section):
@@ -54,6 +80,14 @@ class ActorConfig(Section):
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     ppo_mini_batch_size: int | None = Field(None, ge=1, description="responses per optimizer step; None = all")
     ppo_micro_batch_size: int | None = Field(None, ge=1, description="responses per forward pass (grad accumulation)")
+
+
+class CriticConfig(Section):
+    """The value model PPO (adv_estimator gae) trains beside the actor: the policy's backbone plus a value head."""
+
+    model_path: str | None = Field(None, description="local HF model for the critic's backbone; None = the actor's")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="critic optimizer")
+    cliprange_value: float = Field(0.5, gt=0, description="clip of the value change around the old values")
 
 
 class EngineConfig(Section):
@@ -126,6 +160,7 @@ class MixedPrecisionConfig(Section):
 class Config(Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="RL algorithm")
     actor: ActorConfig = Field(default_factory=ActorConfig, description="policy and its optimizer")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="value model (PPO with gae)")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="rollout engine")
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="rewards")
     data: DataConfig = Field(default_factory=DataConfig, description="datasets")

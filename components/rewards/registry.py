@@ -25,12 +25,12 @@ def scorer_for(data_source: str, reward_cfg) -> Scorer:
 
 
 def score_batch(texts: list[str], ground_truths: list[str], data_sources: list[str], extra_infos: list[dict],
-                reward_cfg) -> tuple[list[float], int]:
-    """Scores per response and the number of invalid ones (None, NaN, inf), which score 0.
+                reward_cfg) -> tuple[list[float], list[bool]]:
+    """Scores per response and whether each is valid; invalid ones (None, NaN, inf, not a number) score 0.
 
     A scorer that raises is a bug: the error names the sample and is not retried.
     """
-    scores, invalid = [], 0
+    scores, valid = [], []
     cache: dict[str, Scorer] = {}
     for i, (text, truth, source, extra) in enumerate(zip(texts, ground_truths, data_sources, extra_infos)):
         fn = cache.get(source) or cache.setdefault(source, scorer_for(source, reward_cfg))
@@ -39,8 +39,7 @@ def score_batch(texts: list[str], ground_truths: list[str], data_sources: list[s
         except Exception as exc:
             raise RuntimeError(f"reward scorer for data_source={source!r} failed on sample {i} "
                                f"(response {text[:80]!r}, ground truth {truth!r}): {exc!r}") from exc
-        if value is None or not isinstance(value, (int, float)) or not math.isfinite(value):
-            invalid += 1
-            value = 0.0
-        scores.append(float(value))
-    return scores, invalid
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        scores.append(float(value) if ok else 0.0)
+        valid.append(ok)
+    return scores, valid

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from components.batch import Batch
@@ -27,14 +29,23 @@ class RolloutWorker:
         return self.engine.weights_version
 
     def generate(self, rows: list[dict], params: SamplingParams, seed: int, iteration: int,
-                 expect_version: int | None = None) -> Batch:
-        """Sample params.n completions per row; refuses to sample with weights older than expect_version."""
+                 expect_version: int | None = None, greedy_baseline: bool = False) -> Batch:
+        """Sample params.n completions per row; refuses to sample with weights older than expect_version.
+
+        greedy_baseline (remax) also decodes one greedy completion per row, as `baseline_responses` /
+        `baseline_mask` repeated over the row's n samples.
+        """
         if expect_version is not None and self.engine.weights_version != expect_version:
             raise RuntimeError(f"rollout engine holds weights version {self.engine.weights_version}, "
                                f"the policy is at {expect_version}: sync weights before sampling")
         prompt_ids = encode_prompts(self.tokenizer, rows)
         out = self.engine.generate(prompt_ids, params, seed)
-        return rollout_batch(rows, prompt_ids, out, params.n, self.tokenizer.pad_token_id, iteration)
+        batch = rollout_batch(rows, prompt_ids, out, params.n, self.tokenizer.pad_token_id, iteration)
+        if greedy_baseline:
+            greedy = self.engine.generate(prompt_ids, replace(params, n=1, temperature=0.0), seed)
+            batch = batch.union(baseline_responses=greedy.responses.repeat_interleave(params.n, 0),
+                                baseline_mask=greedy.response_mask.repeat_interleave(params.n, 0))
+        return batch
 
     def decode(self, batch: Batch) -> list[str]:
         from components.rl import decode_responses

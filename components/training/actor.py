@@ -1,12 +1,12 @@
 """The policy update: PPO-style epochs over mini-batches, gradient accumulation over micro-batches.
 
-Losses are aggregated with counts of the whole mini-batch, so accumulating micro-batch gradients gives
-the same update as one pass over the mini-batch.
+Total actor loss = pg_loss - entropy_coeff * agg(H) + kl_loss_coef * agg(KL(pi, pi_ref)), every term
+aggregated with the same mode and the counts of the whole mini-batch (see components/training/loop.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from components.algorithms.losses import POLICY_LOSSES, AggParams, PolicyLossParams, agg_loss, kl_penalty
 from components.batch import Batch
 from components.training.logprobs import response_logprobs
+from components.training.loop import LoopSettings, micro_batches, minibatch_update
 
 
 @dataclass(frozen=True)
@@ -22,15 +23,26 @@ class UpdateSettings:
     mini_batch_size: int | None = None  # None = the whole batch
     micro_batch_size: int | None = None  # None = the whole mini-batch
     temperature: float = 1.0
-    beta: float = 0.0  # KL-to-reference loss coefficient
+    beta: float = 0.0  # KL-to-reference loss coefficient (kl_loss_coef); 0 = no KL term
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
     policy_loss: str = "vanilla"
-    loss: PolicyLossParams = PolicyLossParams()
+    loss: PolicyLossParams = field(default_factory=PolicyLossParams)
     grad_clip: float = 1.0
     norm_const: float = 1.0  # seq-mean-token-sum-norm constant (max response length)
     seed: int = 0
     autocast_dtype: str | None = None  # "bf16" / "fp16": autocast the update's forward passes
+
+    @property
+    def loop(self) -> LoopSettings:
+        return LoopSettings(self.ppo_epochs, self.mini_batch_size, self.micro_batch_size, self.grad_clip,
+                            self.norm_const, self.seed)
+
+
+def autocast(model: torch.nn.Module, dtype_name: str | None):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype_name or "")
+    device = next(model.parameters()).device.type
+    return torch.autocast(device_type=device, dtype=dtype, enabled=dtype is not None)
 
 
 class PolicyTrainer:
@@ -42,44 +54,44 @@ class PolicyTrainer:
         self.optimizer, self.scheduler, self.s = optimizer, scheduler, settings
         self.steps = 0
 
-    def _autocast(self):
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.s.autocast_dtype or "")
-        device = next(self.model.parameters()).device.type
-        return torch.autocast(device_type=device, dtype=dtype, enabled=dtype is not None)
-
     def _logprobs(self, model, b: Batch, entropy: bool = False):
         t = b.tensors
         return response_logprobs(model, t["prompts"], t["prompt_mask"], t["responses"], t["response_mask"],
                                  self.s.temperature, with_entropy=entropy)
 
+    def off_policy(self, n_rows: int) -> bool:
+        """More than one optimizer step per batch, so the ratio to the behaviour policy moves off 1."""
+        return self.s.ppo_epochs > 1 or (self.s.mini_batch_size or n_rows) < n_rows
+
     @torch.no_grad()
-    def _fixed_logprobs(self, batch: Batch) -> Batch:
-        """Add old (behaviour) and reference log-probs, computed once before any update."""
-        extra = {}
-        needs_old = self.s.ppo_epochs > 1 or (self.s.mini_batch_size or len(batch)) < len(batch)
-        if needs_old:
-            extra["old_logprobs"] = torch.cat([self._logprobs(self.model, p)[0] for p in self._micro(batch)])
-        if self.s.beta > 0 and self.ref_model is not None:
-            extra["ref_logprobs"] = torch.cat([self._logprobs(self.ref_model, p)[0] for p in self._micro(batch)])
-        return batch.union(**extra)
+    def logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
+        """Log-probs (N, R) of the responses under the current policy or the frozen reference."""
+        model = self.ref_model if reference else self.model
+        model.eval()
+        return torch.cat([self._logprobs(model, p)[0] for p in micro_batches(batch, self.s.micro_batch_size)])
 
-    def _micro(self, b: Batch) -> list[Batch]:
-        size = self.s.micro_batch_size or len(b)
-        return b.chunk(max(1, len(b) // size))
+    def prepare(self, batch: Batch, need_old: bool = False) -> Batch:
+        """Add what the update needs and the batch lacks: old (behaviour) log-probs when off-policy or asked,
+        and reference log-probs when a reference is loaded. Computed once, before any update."""
+        t, extra = batch.tensors, {}
+        if "old_logprobs" not in t and (need_old or self.off_policy(len(batch))):
+            extra["old_logprobs"] = self.logprobs(batch)
+        if "ref_logprobs" not in t and self.ref_model is not None:
+            extra["ref_logprobs"] = self.logprobs(batch, reference=True)
+        return batch.union(**extra) if extra else batch
 
-    def _micro_loss(self, mb: Batch, agg: AggParams, mode: str) -> tuple[torch.Tensor, dict]:
+    def _micro_loss(self, mb: Batch, agg: AggParams) -> tuple[torch.Tensor, dict]:
         t = mb.tensors
+        mode = self.s.loss.agg_mode
         mask = t["response_mask"].float()
-        with self._autocast():
+        with autocast(self.model, self.s.autocast_dtype):
             logp, entropy = self._logprobs(self.model, mb, entropy=True)
         old = t["old_logprobs"] if "old_logprobs" in t else logp.detach()
         pg_loss, metrics = POLICY_LOSSES.get(self.s.policy_loss)(logp, old, t["advantages"], mask, self.s.loss, agg)
-        loss = pg_loss
         ent = agg_loss(entropy, mask, mode, agg)
-        if self.s.entropy_coeff:
-            loss = loss - self.s.entropy_coeff * ent
+        loss = pg_loss - self.s.entropy_coeff * ent if self.s.entropy_coeff else pg_loss
         metrics = {**metrics, "actor/pg_loss": pg_loss.detach(), "actor/entropy": ent.detach()}
-        if "ref_logprobs" in t:
+        if self.s.beta > 0 and "ref_logprobs" in t:
             kl = agg_loss(kl_penalty(logp, t["ref_logprobs"], self.s.kl_loss_type), mask, mode, agg)
             loss = loss + self.s.beta * kl
             metrics["actor/kl_loss"] = kl.detach()
@@ -87,31 +99,12 @@ class PolicyTrainer:
 
     def update(self, batch: Batch) -> dict[str, float]:
         """One RL update on `batch` (needs prompts, prompt_mask, responses, response_mask, advantages)."""
+        batch = self.prepare(batch)
         self.model.train()
-        batch = self._fixed_logprobs(batch)
-        mode = self.s.loss.agg_mode
-        mini_size = self.s.mini_batch_size or len(batch)
-        gen = torch.Generator().manual_seed(self.s.seed + self.steps)
-        sums: dict[str, float] = {}
-        n_steps = 0
-        for _ in range(self.s.ppo_epochs):
-            order = torch.randperm(len(batch), generator=gen) if mini_size < len(batch) else torch.arange(len(batch))
-            for start in range(0, len(batch), mini_size):
-                mini = batch.select(order[start:start + mini_size])
-                mask = mini.tensors["response_mask"]
-                agg = AggParams(float(mask.sum()), float(len(mini)), self.s.norm_const)
-                self.optimizer.zero_grad(set_to_none=True)
-                for mb in self._micro(mini):
-                    loss, metrics = self._micro_loss(mb, agg, mode)
-                    loss.backward()
-                    for k, v in metrics.items():  # every metric is additive across micro-batches
-                        sums[k] = sums.get(k, 0.0) + float(v)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
-                sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm)
-                sums["actor/lr"] = sums.get("actor/lr", 0.0) + self.scheduler.get_last_lr()[0]
-                self.optimizer.step()
-                self.scheduler.step()
-                n_steps += 1
+        metrics = minibatch_update(batch, self.model, self.optimizer, self.scheduler, self.s.loop, self.steps,
+                                   self._micro_loss, "actor")
+        if self.s.beta > 0:
+            metrics["actor/kl_coef"] = self.s.beta
         self.steps += 1
         self.model.eval()
-        return {k: v / n_steps for k, v in sums.items()}
+        return metrics

@@ -1,6 +1,8 @@
-"""The policy worker: model, frozen reference, optimizer and the update. Run as a Ray actor."""
+"""The policy worker: model, frozen reference, critic, optimizers and the updates. Run as a Ray actor."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -10,6 +12,7 @@ from components.batch import Batch
 from components.config.schema import Config
 from components.models.loading import load_model, load_tokenizer, save_pretrained
 from components.training.actor import PolicyTrainer, UpdateSettings
+from components.training.critic import CriticTrainer, ValueModel
 from components.training.optim import make_optimizer
 from components.training.seeding import seed_everything
 
@@ -20,11 +23,20 @@ def update_settings(cfg: Config) -> UpdateSettings:
     return UpdateSettings(
         ppo_epochs=cfg.actor.ppo_epochs, mini_batch_size=cfg.actor.ppo_mini_batch_size,
         micro_batch_size=cfg.actor.ppo_micro_batch_size, temperature=cfg.engine.temperature or 1.0,
-        beta=a.beta, kl_loss_type=algo.kl_loss_type, entropy_coeff=a.entropy_coeff, policy_loss=algo.policy_loss,
-        loss=PolicyLossParams(clip_low=a.clip_epsilon, clip_high=a.clip_ratio_high or a.clip_epsilon,
-                              clip_ratio_c=a.clip_ratio_c, agg_mode=algo.loss_agg_mode),
+        beta=a.kl_loss_coef if algo.use_kl_loss else 0.0, kl_loss_type=algo.kl_loss_type,
+        entropy_coeff=a.entropy_coeff, policy_loss=algo.policy_loss,
+        loss=PolicyLossParams(clip_low=a.clip_epsilon, clip_high=algo.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+                              agg_mode=algo.loss_agg_mode),
         grad_clip=cfg.actor.optimizer.grad_clip, norm_const=float(cfg.engine.max_new_tokens), seed=cfg.trainer.seed,
         autocast_dtype=cfg.mixed_precision.dtype if cfg.mixed_precision.enabled else None)
+
+
+def make_critic(cfg: Config, settings: UpdateSettings) -> CriticTrainer:
+    m, c = cfg.actor.model, cfg.critic
+    key = "critic.model_path" if c.model_path else "actor.model.path"
+    model = ValueModel(load_model(c.model_path or m.path, m.dtype, m.attention_implementation, key))
+    opt, sched = make_optimizer(model.parameters(), c.optimizer)
+    return CriticTrainer(model, opt, sched, settings.loop, c.cliprange_value, "token-mean")
 
 
 class PolicyWorker:
@@ -33,17 +45,37 @@ class PolicyWorker:
         torch.set_num_threads(cfg.trainer.num_threads)
         seed_everything(cfg.trainer.seed)
         m = cfg.actor.model
+        algo = resolve(cfg.algorithm)
         self.cfg = cfg
         self.tokenizer = load_tokenizer(m.path)
         self.model = load_model(m.path, m.dtype, m.attention_implementation)
         if cfg.memory_optim.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         ref = None
-        if cfg.algorithm.beta > 0:
+        if algo.needs_reference:
             ref = load_model(m.path, m.dtype, m.attention_implementation).eval().requires_grad_(False)
+        settings = update_settings(cfg)
         opt, sched = make_optimizer(self.model.parameters(), cfg.actor.optimizer)
-        self.trainer = PolicyTrainer(self.model, ref, opt, sched, update_settings(cfg))
+        self.trainer = PolicyTrainer(self.model, ref, opt, sched, settings)
+        self.critic = make_critic(cfg, settings) if algo.needs_critic else None
+        self.need_old = cfg.algorithm.use_kl_in_reward
         self.version = 0
+
+    def prepare(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """verl's old_log_prob / ref / values stages: what the advantages and updates need, computed once
+        with the weights that sampled the batch. Returns the batch and per-stage seconds."""
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        batch = self.trainer.prepare(batch, need_old=self.need_old)
+        timings["timing_s/old_log_prob"] = time.perf_counter() - start
+        if self.critic is not None:
+            start = time.perf_counter()
+            batch = batch.union(values=self.critic.values(batch))
+            timings["timing_s/values"] = time.perf_counter() - start
+        return batch, timings
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        return self.critic.update(batch) if self.critic is not None else {}
 
     def update(self, batch: Batch) -> dict[str, float]:
         metrics = self.trainer.update(batch)

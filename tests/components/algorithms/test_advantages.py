@@ -147,5 +147,133 @@ def test_grpo_passk_only_the_best_gets_credit():
     r, m = seq_rewards([0.5, 1.0, 0.0])
     adv, _ = ADVANTAGES.get("grpo_passk")(r, m, torch.tensor([0, 0, 0]), None, P)
     torch.testing.assert_close(adv[:, 0], torch.tensor([0.0, 1.0 / (1 + 2e-6), 0.0]), atol=1e-5, rtol=0)
-    with pytest.raises(ValueError, match="at least 2"):
-        ADVANTAGES.get("grpo_passk")(*seq_rewards([1.0]), torch.tensor([0]), None, P)
+    alone, _ = ADVANTAGES.get("grpo_passk")(*seq_rewards([1.0]), torch.tensor([0]), None, P)
+    assert (alone == 0).all()  # a group of one has nothing to beat
+
+
+# ---- every estimator: the properties, and the newer ones by hand --------------------------------------------
+
+GROUPED = [n for n in ADVANTAGES.names() if ADVANTAGES.info(n).get("grouped")]
+
+
+def _values_for(name, r):
+    """What an estimator takes as `values`: critic values (gae), a greedy baseline (remax), else None."""
+    info = ADVANTAGES.info(name)
+    if info.get("needs_values") or info.get("needs_baseline"):
+        return torch.linspace(0.1, 0.9, r.numel()).reshape(r.shape)
+    return None
+
+
+@pytest.mark.parametrize("name", ADVANTAGES.names())
+def test_every_estimator_ignores_masked_positions(name):
+    g = torch.Generator().manual_seed(4)
+    r = torch.rand(6, 5, generator=g)
+    m = torch.ones(6, 5)
+    m[:, 3:] = 0
+    m[0, 1:] = 0
+    ids = torch.tensor([0, 0, 0, 1, 1, 1])
+    fn = ADVANTAGES.get(name)
+    v = _values_for(name, r)
+    a1, ret1 = fn(r * m, m, ids, None if v is None else v * m, P)
+    garbage, gv = r.clone(), None if v is None else v.clone()
+    garbage[m == 0] = 1e6
+    if gv is not None:
+        gv[m == 0] = -1e6
+    a2, ret2 = fn(garbage * m, m, ids, gv, P)
+    torch.testing.assert_close(a1, a2)
+    torch.testing.assert_close(ret1 * m, ret2 * m)
+    assert (a1[m == 0] == 0).all() and torch.isfinite(a1).all()
+
+
+@pytest.mark.parametrize("name", GROUPED)
+def test_grouped_estimators_all_equal_rewards_give_zero(name):
+    r, m = seq_rewards([0.5] * 6)
+    adv, _ = ADVANTAGES.get(name)(r, m, torch.tensor([0, 0, 0, 1, 1, 1]), None, P)
+    assert torch.isfinite(adv).all()
+    torch.testing.assert_close(adv, torch.zeros_like(adv))
+
+
+@pytest.mark.parametrize("name", GROUPED)
+def test_grouped_estimators_are_shift_invariant_per_group(name):
+    g = torch.Generator().manual_seed(5)
+    scores = torch.rand(8, generator=g)
+    ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    shift = torch.tensor([3.0] * 4 + [-7.0] * 4)  # a different constant for each group
+    fn = ADVANTAGES.get(name)
+    a1, _ = fn(*seq_rewards(scores.tolist()), ids, None, P)
+    a2, _ = fn(*seq_rewards((scores + shift).tolist()), ids, None, P)
+    torch.testing.assert_close(a1, a2, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", [n for n in GROUPED if n != "grpo_passk"])
+def test_grouped_estimators_group_of_one_is_finite(name):
+    adv, _ = ADVANTAGES.get(name)(*seq_rewards([0.3, 1.0, 0.0]), torch.tensor([0, 1, 1]), None, P)
+    assert torch.isfinite(adv).all()
+
+
+def test_rloo_loop_equals_vectorized():
+    g = torch.Generator().manual_seed(6)
+    scores = torch.rand(15, generator=g).tolist()
+    ids = torch.randint(0, 4, (15,), generator=g).tolist()
+    expected = []
+    for i, (s, gid) in enumerate(zip(scores, ids)):
+        others = [x for j, (x, h) in enumerate(zip(scores, ids)) if h == gid and j != i]
+        expected.append(s - sum(others) / len(others) if others else s)
+    adv, _ = rloo(*seq_rewards(scores), torch.tensor(ids), None, P)
+    torch.testing.assert_close(adv[:, 0], torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+def test_opo_loop_equals_vectorized():
+    g = torch.Generator().manual_seed(7)
+    B, T = 12, 6
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    m = (torch.arange(T)[None] < lengths[:, None]).float()
+    scores = torch.rand(B, generator=g)
+    r = torch.zeros(B, T)
+    r[torch.arange(B), lengths - 1] = scores
+    ids = torch.randint(0, 3, (B,), generator=g)
+    expected = []
+    for i in range(B):
+        grp = [j for j in range(B) if ids[j] == ids[i]]
+        base = sum(float(lengths[j] * scores[j]) for j in grp) / sum(int(lengths[j]) for j in grp)
+        expected.append(float(scores[i]) - base)
+    adv, _ = ADVANTAGES.get("opo")(r, m, ids, None, P)
+    torch.testing.assert_close(adv, torch.tensor(expected)[:, None] * m, atol=1e-5, rtol=0)
+
+
+def test_reinforce_plus_plus_baseline_hand_computed():
+    # scores 1, 0 | 1, 1 -> r - group mean = 0.5, -0.5, 0, 0 over 2 tokens each: 8 entries, mean 0,
+    # unbiased var = (4 * 0.25) / 7 -> whitened 0.5 / sqrt(1/7) = 1.3229
+    r, m = seq_rewards([1.0, 0.0, 1.0, 1.0], length=2)
+    adv, _ = ADVANTAGES.get("reinforce_plus_plus_baseline")(r, m, torch.tensor([0, 0, 1, 1]), None, P)
+    z = 0.5 / math.sqrt(1 / 7 + 1e-8)
+    torch.testing.assert_close(adv, torch.tensor([[z, z], [-z, -z], [0.0, 0.0], [0.0, 0.0]]), atol=1e-4, rtol=0)
+
+
+def test_remax_hand_computed():
+    # token rewards 0, 0, 1 (score on the last token), greedy baseline 0.25: reward-to-go 1, 1, 1 -> A = 0.75
+    # a second response of length 2 with score 0 against baseline 0.25 -> -0.25, -0.25, masked 0
+    r = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    m = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    base = torch.tensor([0.25, 0.25])[:, None] * m
+    adv, ret = ADVANTAGES.get("remax")(r, m, torch.tensor([0, 0]), base, P)
+    torch.testing.assert_close(adv, torch.tensor([[0.75, 0.75, 0.75], [-0.25, -0.25, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="greedy"):
+        ADVANTAGES.get("remax")(r, m, torch.tensor([0, 0]), None, P)
+
+
+def test_gae_hand_computed_with_lambda():
+    # one sequence of 2 tokens, r = (0, 1), V = (0.5, 0.8), gamma 1, lambda 0.5:
+    # delta_1 = 1 - 0.8 = 0.2; A_1 = 0.2; delta_0 = 0 + 0.8 - 0.5 = 0.3; A_0 = 0.3 + 0.5 * 0.2 = 0.4
+    # returns = A + V = (0.9, 1.0)
+    r = torch.tensor([[0.0, 1.0]])
+    v = torch.tensor([[0.5, 0.8]])
+    _, ret = gae(r, torch.ones(1, 2), torch.tensor([0]), v, AdvantageParams(gamma=1.0, lam=0.5))
+    torch.testing.assert_close(ret, torch.tensor([[0.9, 1.0]]))
+
+
+def test_dr_grpo_estimator_never_divides_by_std():
+    r, m = seq_rewards([3.0, 1.0, 2.0])
+    adv, _ = ADVANTAGES.get("dr_grpo")(r, m, torch.tensor([0, 0, 0]), None, AdvantageParams(norm_adv_by_std=True))
+    torch.testing.assert_close(adv[:, 0], torch.tensor([1.0, -1.0, 0.0]))

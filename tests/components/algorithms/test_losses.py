@@ -137,3 +137,91 @@ def test_presets_resolve_and_unknown_lists_names():
     assert resolve(AlgorithmConfig(name="grpo", policy_loss="cispo")).policy_loss == "cispo"
     with pytest.raises(KeyError, match="Valid names"):
         resolve(AlgorithmConfig(name="nope"))
+
+
+def test_value_loss_hand_computed():
+    from components.algorithms.losses import value_loss
+
+    # token 1: v 1.0, old 0.0, R 2.0, clip 0.5 -> clipped v 0.5: max((1-2)^2, (0.5-2)^2) = 2.25, clipped wins
+    # token 2: v 0.2, old 0.0, R 0.0 -> inside the clip: max(0.04, 0.04) = 0.04
+    v = torch.tensor([[1.0, 0.2]])
+    loss, m = value_loss(v, torch.zeros(1, 2), torch.tensor([[2.0, 0.0]]), torch.ones(1, 2), 0.5, "token-mean",
+                         AggParams(2, 1))
+    assert math.isclose(float(loss), 0.5 * (2.25 + 0.04) / 2, rel_tol=1e-6)
+    assert float(m["critic/vf_clipfrac"]) == 0.5
+
+
+def test_value_loss_ignores_masked_tokens():
+    from components.algorithms.losses import value_loss
+
+    g = torch.Generator().manual_seed(0)
+    v, old, ret = (torch.randn(3, 4, generator=g) for _ in range(3))
+    mask = torch.tensor([[1.0, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    agg = AggParams(float(mask.sum()), 3)
+    a, _ = value_loss(v, old, ret, mask, 0.2, "token-mean", agg)
+    v2 = v.clone()
+    v2[mask == 0] = 1e3
+    b, _ = value_loss(v2, old, ret, mask, 0.2, "token-mean", agg)
+    torch.testing.assert_close(a, b)
+
+
+def test_explained_variance_hand_computed():
+    from components.algorithms.losses import explained_variance
+
+    ret = torch.tensor([[1.0, 2.0, 3.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert explained_variance(ret, ret, mask) == 1.0
+    assert math.isclose(explained_variance(torch.full((1, 4), 2.0), ret, mask), 0.0, abs_tol=1e-7)
+    # residual (1, 2, 3) - (1, 1, 1) = (0, 1, 2): var 2/3 over var(R) 2/3 -> 0
+    assert math.isclose(explained_variance(torch.ones(1, 4), ret, mask), 0.0, abs_tol=1e-6)
+
+
+def test_entropy_and_kl_enter_the_actor_loss_with_their_coefficients(tokenizer):
+    from components.batch import Batch
+    from components.training.actor import PolicyTrainer, UpdateSettings
+    from tests.conftest import make_model
+
+    g = torch.Generator().manual_seed(0)
+    n, vocab = 4, len(tokenizer)
+    batch = Batch({"prompts": torch.randint(3, vocab, (n, 3), generator=g),
+                   "prompt_mask": torch.ones(n, 3, dtype=torch.long),
+                   "responses": torch.randint(3, vocab, (n, 4), generator=g),
+                   "response_mask": torch.ones(n, 4, dtype=torch.long), "advantages": torch.zeros(n, 4)})
+    ref = make_model(tokenizer, seed=1)
+    trainer = PolicyTrainer(make_model(tokenizer), ref, None, None,
+                            UpdateSettings(beta=0.5, entropy_coeff=0.1, kl_loss_type="k1"))
+    batch = trainer.prepare(batch)
+    agg = AggParams(float(n * 4), float(n))
+    loss, m = trainer._micro_loss(batch, agg)
+    # zero advantages: pg_loss = 0, so loss = -0.1 H + 0.5 KL exactly
+    assert float(m["actor/pg_loss"]) == 0.0
+    assert math.isclose(float(loss), -0.1 * float(m["actor/entropy"]) + 0.5 * float(m["actor/kl_loss"]), rel_tol=1e-6)
+    assert float(m["actor/kl_loss"]) != 0.0
+
+
+def _vanilla_loop(logp, old, adv, mask, low, high, c):
+    """Token by token, as the paper writes it; token-mean over the mask."""
+    total, count, clipped = 0.0, 0, 0
+    for i in range(logp.shape[0]):
+        for t in range(logp.shape[1]):
+            if not mask[i, t]:
+                continue
+            ratio = math.exp(max(-20.0, min(20.0, float(logp[i, t] - old[i, t]))))
+            a = float(adv[i, t])
+            l1, l2 = -a * ratio, -a * min(max(ratio, 1 - low), 1 + high)
+            loss = max(l1, l2)
+            if a < 0:
+                loss = min(loss, -a * c)
+            total, count, clipped = total + loss, count + 1, clipped + (l2 > l1)
+    return total / count, clipped / count
+
+
+def test_vanilla_ppo_loop_equals_vectorized():
+    g = torch.Generator().manual_seed(9)
+    logp, old = -torch.rand(5, 6, generator=g) * 2, -torch.rand(5, 6, generator=g) * 2
+    adv = torch.randn(5, 6, generator=g) * 2
+    mask = (torch.rand(5, 6, generator=g) > 0.3).float()
+    loss, m = vanilla_ppo(logp, old, adv, mask, PolicyLossParams(0.2, 0.28, 3.0), AggParams(float(mask.sum()), 5))
+    expected, clipfrac = _vanilla_loop(logp, old, adv, mask, 0.2, 0.28, 3.0)
+    assert math.isclose(float(loss), expected, rel_tol=1e-5)
+    assert math.isclose(float(m["actor/pg_clipfrac"]), clipfrac, rel_tol=1e-6)

@@ -64,3 +64,42 @@ def test_flatten_has_dotted_keys():
     flat = flatten(load_config(None))
     assert flat["actor.optimizer.lr"] == 1e-4 or "actor.optimizer.lr" in flat
     assert all("." in k for k in flat)
+
+
+def test_beta_is_trls_name_for_kl_loss_coef_and_the_later_one_wins(tmp_path):
+    cfg = load_config("configs/arith_grpo.yaml", ["algorithm.beta=0.04"])  # the file sets kl_loss_coef: 0.0
+    assert cfg.algorithm.kl_loss_coef == 0.04 and cfg.algorithm.beta == 0.04
+    f = tmp_path / "c.yaml"
+    f.write_text("algorithm:\n  beta: 0.1\n")
+    assert load_config(f, ["algorithm.kl_loss_coef=0.2"]).algorithm.kl_loss_coef == 0.2
+
+
+def test_presets_fill_unset_knobs_and_keys_override_them():
+    from components.algorithms.presets import resolve
+
+    dapo = resolve(load_config(None, ["algorithm.name=dapo"]).algorithm)
+    assert (dapo.clip_ratio_high, dapo.dynamic_sampling, dapo.overlong_buffer_frac) == (0.28, True, 0.2)
+    own = resolve(load_config(None, ["algorithm.name=dapo", "algorithm.dynamic_sampling=false",
+                                     "algorithm.clip_ratio_high=0.3"]).algorithm)
+    assert (own.clip_ratio_high, own.dynamic_sampling) == (0.3, False)
+    ppo = resolve(load_config(None, ["algorithm.name=ppo"]).algorithm)
+    assert ppo.adv_estimator == "gae" and ppo.needs_critic and not ppo.needs_reference
+    remax = resolve(load_config(None, ["algorithm.name=remax"]).algorithm)
+    assert remax.needs_baseline and not remax.grouped
+    kl = resolve(load_config(None, ["algorithm.kl_loss_coef=0.1"]).algorithm)
+    assert kl.use_kl_loss and kl.needs_reference
+    off = resolve(load_config(None, ["algorithm.kl_loss_coef=0.1", "algorithm.use_kl_loss=false"]).algorithm)
+    assert not off.use_kl_loss and not off.needs_reference
+    in_reward = resolve(load_config(None, ["algorithm.use_kl_in_reward=true"]).algorithm)
+    assert in_reward.needs_reference and not in_reward.use_kl_loss
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["algorithm.name=dapo", "engine.n=1"], r"engine\.n=1: dynamic sampling|engine\.n=1: grpo"),
+    (["algorithm.name=grpoo"], r"algorithm\.name=grpoo: unknown preset\. Valid names: .*dapo.*ppo"),
+    (["algorithm.kl_penalty=k9"], r"algorithm\.kl_penalty=k9: unknown KL estimator"),
+    (["algorithm.adv_estimator=gea"], r"algorithm\.adv_estimator=gea: unknown advantage estimator\. Valid names"),
+])
+def test_impossible_algorithm_combinations_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/arith_grpo.yaml", overrides)

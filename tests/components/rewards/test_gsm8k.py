@@ -34,8 +34,8 @@ def test_score_batch_counts_invalid_and_names_failing_sample():
     REWARDS["test/nan"] = lambda rm: (lambda text, truth, extra: float("nan") if text == "bad" else 1.0)
     REWARDS["test/raise"] = lambda rm: (lambda text, truth, extra: 1 / 0)
     try:
-        scores, invalid = score_batch(["ok", "bad"], ["1", "1"], ["test/nan"] * 2, [{}, {}], cfg)
-        assert scores == [1.0, 0.0] and invalid == 1 and all(math.isfinite(s) for s in scores)
+        scores, valid = score_batch(["ok", "bad"], ["1", "1"], ["test/nan"] * 2, [{}, {}], cfg)
+        assert scores == [1.0, 0.0] and valid == [True, False] and all(math.isfinite(s) for s in scores)
         with pytest.raises(RuntimeError, match="sample 0"):
             score_batch(["x"], ["1"], ["test/raise"], [{}], cfg)
         with pytest.raises(KeyError, match="no reward scorer registered"):

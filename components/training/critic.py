@@ -1,0 +1,68 @@
+"""The critic: a value model (the policy's transformer backbone plus a linear value head) and its update
+with the clipped value loss, for PPO with GAE."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from components.algorithms.losses import AggParams, value_loss
+from components.batch import Batch
+from components.training.logprobs import sequence_inputs
+from components.training.loop import LoopSettings, micro_batches, minibatch_update
+
+
+class ValueModel(torch.nn.Module):
+    """V(prefix) for every response position: head(h_{P-1+t}) is the value of the state before response
+    token t, read off the same positions that predict the tokens (verl's values[:, -R-1:-1])."""
+
+    def __init__(self, causal_lm: PreTrainedModel):
+        super().__init__()
+        self.backbone = causal_lm.base_model  # the transformer without its LM head
+        self.head = torch.nn.Linear(causal_lm.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)  # V = 0 at the start: returns are learnt from the first update
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, prompts, prompt_mask, responses, response_mask) -> torch.Tensor:
+        """(N, P) left-padded prompts, (N, R) responses -> values (N, R) float32, 0 on padding."""
+        ids, mask, positions = sequence_inputs(prompts, prompt_mask, responses, response_mask)
+        P, R = prompts.shape[1], responses.shape[1]
+        hidden = self.backbone(input_ids=ids, attention_mask=mask, position_ids=positions,
+                               use_cache=False).last_hidden_state  # (N, P+R, H)
+        values = self.head(hidden[:, P - 1:P + R - 1, :]).squeeze(-1).float()  # (N, R)
+        return values * response_mask
+
+
+class CriticTrainer:
+    """Owns the value model and its optimizer. `values(batch)` before the advantages, `update(batch)` after."""
+
+    def __init__(self, model: ValueModel, optimizer, scheduler, loop: LoopSettings, cliprange: float,
+                 agg_mode: str = "token-mean"):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.loop, self.cliprange, self.agg_mode = loop, cliprange, agg_mode
+        self.steps = 0
+
+    def _forward(self, b: Batch) -> torch.Tensor:
+        t = b.tensors
+        return self.model(t["prompts"], t["prompt_mask"], t["responses"], t["response_mask"])
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> torch.Tensor:
+        self.model.eval()
+        return torch.cat([self._forward(p) for p in micro_batches(batch, self.loop.micro_batch_size)])
+
+    def _micro_loss(self, mb: Batch, agg: AggParams):
+        t = mb.tensors
+        loss, metrics = value_loss(self._forward(mb), t["values"], t["returns"], t["response_mask"].float(),
+                                   self.cliprange, self.agg_mode, agg)
+        return loss, {**metrics, "critic/vf_loss": loss.detach()}
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """Fit V to `returns` (needs values from before the update, returns, response_mask)."""
+        self.model.train()
+        metrics = minibatch_update(batch, self.model, self.optimizer, self.scheduler, self.loop, self.steps,
+                                   self._micro_loss, "critic")
+        self.steps += 1
+        self.model.eval()
+        return metrics
+

@@ -1,0 +1,120 @@
+"""The pure RL stages: rewards (invalid scores, overlong penalty, greedy baseline), advantages (invalid rows
+masked out, KL in the reward), and dynamic sampling's batch helpers."""
+
+import math
+
+import pytest
+import torch
+
+from components.algorithms.presets import resolve
+from components.batch import Batch
+from components.config import load_config
+from components.config.schema import AlgorithmConfig
+from components.rewards.registry import REWARDS
+from components.rl import add_advantages, add_rewards, concat_rounds, first_groups, informative_rows
+
+REWARD_CFG = load_config(None).reward_model
+
+
+@pytest.fixture
+def nan_scorer():
+    # a scorer that returns NaN for "nan", None for "none", inf for "inf", else 1 if the text is the truth
+    def score(text, truth, extra):
+        return {"nan": float("nan"), "none": None, "inf": float("inf")}.get(text, float(text == truth))
+
+    REWARDS["test/invalid"] = lambda rm: score
+    yield
+    del REWARDS["test/invalid"]
+
+
+def rollout(n_prompts=2, n=3, lengths=None, source="test/invalid"):
+    rows = n_prompts * n
+    lengths = torch.tensor(lengths or [2] * rows)
+    R = int(lengths.max())
+    mask = (torch.arange(R)[None] < lengths[:, None]).long()
+    return Batch({"prompts": torch.ones(rows, 2, dtype=torch.long), "prompt_mask": torch.ones(rows, 2, dtype=torch.long),
+                  "responses": torch.ones(rows, R, dtype=torch.long), "response_mask": mask,
+                  "group_ids": torch.arange(n_prompts).repeat_interleave(n)},
+                 {"ground_truth": ["1"] * rows, "data_source": [source] * rows, "extra_info": [{}] * rows},
+                 {"n": n})
+
+
+def test_invalid_rewards_are_counted_zero_advantage_and_masked_out(nan_scorer):
+    batch, m = add_rewards(rollout(), ["1", "0", "nan", "1", "none", "inf"], REWARD_CFG)
+    assert m["reward/invalid_count"] == 3.0
+    assert batch.tensors["valid"].tolist() == [True, True, False, True, False, False]
+    out, _ = add_advantages(batch, resolve(AlgorithmConfig(name="grpo")))
+    adv, mask = out.tensors["advantages"], out.tensors["response_mask"]
+    assert torch.isfinite(adv).all()
+    assert (adv[[2, 4, 5]] == 0).all() and (mask[[2, 4, 5]] == 0).all()
+    # group 0 is {1, 0} without the NaN row: mean 0.5, std 0.7071 -> +-0.7071; group 1 keeps one valid row
+    torch.testing.assert_close(adv[:2, 0], torch.tensor([0.70710, -0.70710]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(adv[3, 0], torch.tensor(1.0 / (1 + 1e-6)))
+
+
+def test_invalid_rewards_never_reach_the_loss(nan_scorer, tokenizer):
+    from components.training.actor import PolicyTrainer, UpdateSettings
+    from tests.conftest import make_model
+
+    texts = ["nan", "none", "inf", "nan", "none", "inf"]  # every reward invalid
+    batch, _ = add_rewards(rollout(), texts, REWARD_CFG)
+    batch, _ = add_advantages(batch, resolve(AlgorithmConfig(name="grpo")))
+    torch.manual_seed(0)
+    model = make_model(tokenizer)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = PolicyTrainer(model, make_model(tokenizer, seed=1), opt,
+                            torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), UpdateSettings(beta=0.1))
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    metrics = trainer.update(batch)
+    assert all(math.isfinite(v) for v in metrics.values()), metrics
+    for k, v in model.named_parameters():  # nothing reached the loss, so nothing moved
+        assert torch.equal(before[k], v.detach()), k
+
+
+def test_overlong_penalty_goes_into_rewards_not_scores():
+    batch, m = add_rewards(rollout(1, 3, [2, 4, 5], "arith"), ["#### 1", "#### 1", "#### 2"], REWARD_CFG,
+                           overlong=(5, 2, 1.0))
+    # lengths 2, 4, 5 with max 5, buffer 2: penalties 0, -0.5, -1
+    torch.testing.assert_close(batch.tensors["scores"], torch.tensor([1.0, 1.0, 0.0]))
+    torch.testing.assert_close(batch.tensors["token_rewards"].sum(-1), torch.tensor([1.0, 0.5, -1.0]))
+    assert batch.tensors["token_rewards"][1, 3] == 0.5  # on the last response token
+    assert math.isclose(m["reward/overlong_penalty_mean"], -0.5)
+
+
+def test_greedy_baseline_is_scored_once_per_prompt_for_remax():
+    calls = []
+
+    def counting(text, truth, extra):
+        calls.append(text)
+        return float(text == truth)
+
+    REWARDS["test/count"] = lambda rm: counting
+    try:
+        b = rollout(2, 3, source="test/count").union(baseline_responses=torch.ones(6, 2, dtype=torch.long),
+                                                     baseline_mask=torch.ones(6, 2, dtype=torch.long))
+        out, m = add_rewards(b, ["1", "0", "0", "0", "0", "1"], REWARD_CFG,
+                             baseline_texts=["1", "1", "1", "0", "0", "0"])
+    finally:
+        del REWARDS["test/count"]
+    assert len(calls) == 6 + 2
+    torch.testing.assert_close(out.tensors["baseline_values"][:, 0], torch.tensor([1.0, 1, 1, 0, 0, 0]))
+    adv, _ = add_advantages(out, resolve(AlgorithmConfig(name="remax")))
+    torch.testing.assert_close(adv.tensors["advantages"][:, 0], torch.tensor([0.0, -1, -1, 0, 0, 1]))
+
+
+def test_kl_in_reward_through_the_advantage_stage(nan_scorer):
+    batch, _ = add_rewards(rollout(1, 2), ["1", "0"], REWARD_CFG)
+    batch = batch.union(old_logprobs=torch.tensor([[-1.0, -1.0], [-1.0, -1.0]]),
+                        ref_logprobs=torch.tensor([[-2.0, -2.0], [-1.0, -1.0]]))
+    _, m = add_advantages(batch, resolve(AlgorithmConfig(name="reinforce_plus_plus")), kl_coef=0.1, kl_kind="k1")
+    assert math.isclose(m["actor/reward_kl_penalty"], 0.5)  # sequence KLs 1 and 0
+    assert m["actor/reward_kl_penalty_coeff"] == 0.1
+
+
+def test_dynamic_sampling_helpers():
+    b = Batch({"scores": torch.tensor([1.0, 1, 0, 1, 0, 0]), "group_ids": torch.tensor([0, 0, 1, 1, 2, 2])})
+    kept = informative_rows(b)
+    assert kept.tensors["group_ids"].tolist() == [1, 1]
+    both = concat_rounds([kept, kept])
+    assert both.tensors["group_ids"].tolist() == [1, 1, 3, 3]  # rounds never share a group id
+    assert first_groups(both, 1).tensors["group_ids"].tolist() == [1, 1]
