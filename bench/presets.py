@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     from tasks.evaluate import evaluate_model
 
     base = list(a.overrides) + ([f"trainer.iterations={a.iterations}"] if a.iterations else []) + \
-        ["trainer.experiment_name=bench-presets"]
+        ["trainer.experiment_name=bench-presets", "trainer.resume_mode=disable"]
     cfg = load_config(a.config, base)
     if not Path(cfg.data.train_path).is_file():
         data_flow(a.config, base)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 from prefect import flow
 
@@ -19,14 +20,17 @@ from components.algorithms.shaping import KLController, group_counts
 from components.config import load_config
 from components.data.sampler import PromptSampler
 from components.models.loading import load_tokenizer
+from components.tracking import checkpoints
 from components.rl import concat_rounds, first_groups, informative_rows
 from components.progress import console, iteration_line, progress_bar
-from components.training.ray_workers import stop_workers
+from components.training.ray_workers import rebuild_workers, stop_workers
 from flows._args import check_config, config_parser, run_cli
 from tasks.data import load_datasets
+from tasks.common import is_transient, logger
 from tasks.rl import compute_advantages, evaluate_policy, generate_rollouts, prepare_batch, score_rewards, \
     start_workers, sync_weights, update_critic, update_policy
-from tasks.tracking import finalize, log_metrics, save_checkpoint, start_run
+from tasks.tracking import checkpoint_metrics, finalize, find_checkpoint, log_metrics, restore_checkpoint, \
+    save_checkpoint, start_run
 
 
 def _timed(timings: dict, name: str, fn, *args):
@@ -60,6 +64,21 @@ def _collect_batch(timings, workers, sampler, train_rows, tokenizer, cfg, it, ve
     return (filtered if groups else batch), metrics
 
 
+def _restore(workers, ckpt: str | None, state: dict, sampler: PromptSampler, kl_ctrl: KLController | None,
+             tracker) -> tuple[int, int]:
+    """Fresh workers into the checkpoint's state (or the start when there is none): the policy worker's
+    weights, optimizer and RNG, then the engine, the sampler and the controller. Returns (version, first
+    iteration to run)."""
+    sampler.load_state_dict(state.get("sampler", {**sampler.state_dict(), "epoch": 0, "cursor": 0}))
+    if kl_ctrl is not None:
+        kl_ctrl.load_state_dict(state.get("kl_ctrl", {"value": kl_ctrl.start}))
+    if ckpt is None:
+        return 0, 1
+    restore_checkpoint(workers, ckpt)
+    log_metrics(tracker, checkpoint_metrics(state), state["iteration"])  # if killed before it was logged
+    return sync_weights(workers), state["iteration"] + 1
+
+
 @flow(name="rl-train")
 def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | None = None, pipeline: str = "",
                pipeline_version: str = "") -> dict:
@@ -69,44 +88,70 @@ def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | N
     train_rows, eval_rows = load_datasets(cfg)
     run_name = f"{pipeline or 'train'}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     tokenizer = load_tokenizer(cfg.actor.model.path)
-    tracker = start_run(cfg, pipeline, pipeline_version, run_name)
+    ckpt, state = find_checkpoint(cfg)
+    tracker = start_run(cfg, pipeline, pipeline_version, run_name, state.get("mlflow_run_id"))
     sampler = PromptSampler(len(train_rows), cfg.data.batch_size, cfg.data.shuffle, t.seed)
     algo, a = resolve(cfg.algorithm), cfg.algorithm
     kl_ctrl = KLController(a.kl_coef, a.kl_ctrl, a.kl_target, a.kl_horizon) if a.use_kl_in_reward else None
     history: list[dict] = []
-    version = 0
-    workers = None
+    workers, rebuilds = None, 0
     try:
         workers = start_workers(cfg)
-        with progress_bar("grpo", t.iterations, t.progress) as advance:
-            for it in range(1, t.iterations + 1):
+        version, it = _restore(workers, ckpt, state, sampler, kl_ctrl, tracker)
+        scored = None  # (iteration, batch, reward metrics, sampler state): kept until the iteration is done
+        with progress_bar("grpo", t.iterations - it + 1, t.progress) as advance:
+            while it <= t.iterations:
                 timings: dict[str, float] = {}
                 step_start = time.perf_counter()
-                batch, m_reward = _collect_batch(timings, workers, sampler, train_rows, tokenizer, cfg, it, version)
-                if algo.needs_critic or kl_ctrl is not None:
-                    batch, t_prep = prepare_batch(workers, batch)
-                    timings.update(t_prep)
-                batch, m_adv = _timed(timings, "adv", compute_advantages, batch, cfg,
-                                      kl_ctrl.value if kl_ctrl else None)
-                if kl_ctrl is not None:
-                    kl_ctrl.update(m_adv["actor/reward_kl_penalty"], len(batch))
-                m_critic = _timed(timings, "update_critic", update_critic, workers, batch) if algo.needs_critic \
-                    else {}
-                m_actor = _timed(timings, "update_actor", update_policy, workers, batch)
-                version = _timed(timings, "update_weights", sync_weights, workers)
-                metrics = {**m_reward, **m_adv, **m_critic, **m_actor}
-                if it % t.test_interval == 0 or it == t.iterations:
-                    metrics.update(_timed(timings, "testing", evaluate_policy, workers, eval_rows, cfg))
-                if it % t.save_interval == 0 or it == t.iterations:
-                    _timed(timings, "save_checkpoint", save_checkpoint, workers, tracker, cfg, it,
-                           sampler.state_dict(), version)
-                timings["timing_s/step"] = time.perf_counter() - step_start
-                metrics.update(timings)
-                log_metrics(tracker, metrics, it)
+                try:
+                    if scored is not None and scored[0] == it:  # rebuilt mid-iteration: reuse what was scored,
+                        _, batch, m_reward, sampler_state = scored  # so each sample is scored once
+                        sampler.load_state_dict(sampler_state)
+                    else:
+                        batch, m_reward = _collect_batch(timings, workers, sampler, train_rows, tokenizer, cfg, it,
+                                                         version)
+                        scored = (it, batch, m_reward, sampler.state_dict())
+                    if algo.needs_critic or kl_ctrl is not None:
+                        batch, t_prep = prepare_batch(workers, batch)
+                        timings.update(t_prep)
+                    batch, m_adv = _timed(timings, "adv", compute_advantages, batch, cfg,
+                                          kl_ctrl.value if kl_ctrl else None)
+                    if kl_ctrl is not None:
+                        kl_ctrl.update(m_adv["actor/reward_kl_penalty"], len(batch))
+                    m_critic = _timed(timings, "update_critic", update_critic, workers, batch) \
+                        if algo.needs_critic else {}
+                    m_actor = _timed(timings, "update_actor", update_policy, workers, batch)
+                    version = _timed(timings, "update_weights", sync_weights, workers)
+                    metrics = {**m_reward, **m_adv, **m_critic, **m_actor}
+                    if it % t.test_interval == 0 or it == t.iterations:
+                        metrics.update(_timed(timings, "testing", evaluate_policy, workers, eval_rows, cfg))
+                    timings["timing_s/step"] = time.perf_counter() - step_start
+                    metrics.update(timings)
+                    log_metrics(tracker, metrics, it)  # before the checkpoint: a crash between the two re-runs
+                    if it % t.save_interval == 0 or it == t.iterations:  # `it`, whose metrics are not re-logged
+                        ckpt, state = save_checkpoint(workers, tracker, cfg, it, {
+                            "sampler": sampler.state_dict(), "weights_version": version,
+                            **({"kl_ctrl": kl_ctrl.state_dict()} if kl_ctrl is not None else {})})
+                        log_metrics(tracker, checkpoint_metrics(state), it)
+                        metrics.update(checkpoint_metrics(state))
+                except Exception as exc:
+                    if not is_transient(exc) or rebuilds >= t.max_worker_rebuilds:
+                        raise
+                    # a worker died for good (the policy actor is never restarted by Ray): new workers from this
+                    # run's last checkpoint (or its start), then on from there; steps already logged stay once
+                    rebuilds += 1
+                    logger().warning("iteration %d: a worker died (%s); rebuilding from the last checkpoint "
+                                     "(%d/%d)", it, type(exc).__name__, rebuilds, t.max_worker_rebuilds)
+                    workers = rebuild_workers(workers, cfg)
+                    if ckpt is not None:
+                        checkpoints.verify(Path(ckpt))
+                    version, it = _restore(workers, ckpt, state, sampler, kl_ctrl, tracker)
+                    continue
                 history.append({"step": it, **metrics})
                 advance(info=f"reward {metrics['critic/score/mean']:.3f}")
                 if t.progress:
                     console.print(iteration_line(it, t.iterations, metrics))
+                it += 1
         return finalize(workers, tracker, cfg, history, time.perf_counter() - started)
     except BaseException:
         tracker.end("FAILED")

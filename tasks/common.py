@@ -7,8 +7,10 @@ from prefect.cache_policies import NO_CACHE
 # Stages pass tensors and Ray handles, which are not worth hashing for a cache key.
 STAGE = {"cache_policy": NO_CACHE, "timeout_seconds": 1800}
 
-TRANSIENT = ("RayActorError", "ActorDiedError", "WorkerCrashedError", "ObjectLostError", "GetTimeoutError",
-             "TimeoutError", "ConnectionError")
+TRANSIENT = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError", "ObjectLostError",
+             "GetTimeoutError", "TimeoutError", "ConnectionError")
+# retries of a stage whose Ray actor died: Ray restarts it meanwhile (a second or two)
+RETRY_TRANSIENT = {"retries": 3, "retry_delay_seconds": [1, 3, 10]}
 
 
 def retry_transient(task, task_run, state) -> bool:
@@ -16,8 +18,13 @@ def retry_transient(task, task_run, state) -> bool:
     try:
         state.result()
     except Exception as exc:  # the failed state re-raises the task's exception
-        return type(exc).__name__ in TRANSIENT
+        return is_transient(exc)
     return False
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A failure of the machinery (the exception or one of its base classes is named in TRANSIENT)."""
+    return any(cls.__name__ in TRANSIENT for cls in type(exc).__mro__)
 
 
 def logger():

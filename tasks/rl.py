@@ -13,7 +13,7 @@ from components.rollout.base import SamplingParams
 from components.training import ray_workers
 from components.training.ray_workers import Workers
 from components.training.seeding import derive_seed
-from tasks.common import STAGE, retry_transient
+from tasks.common import RETRY_TRANSIENT, STAGE, logger, retry_transient
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
@@ -28,13 +28,14 @@ def start_workers(cfg: Config) -> Workers:
     return ray_workers.start_workers(cfg)
 
 
-@task(name="gen", retries=2, retry_condition_fn=retry_transient, **STAGE)
+@task(name="gen", retry_condition_fn=retry_transient, **RETRY_TRANSIENT, **STAGE)
 def generate_rollouts(workers: Workers, rows: list[dict], cfg: Config, iteration: int, version: int,
                       round_: int = 0) -> Batch:
     """engine.n completions per prompt, sampled with weights `version` (checked by the engine); remax also
     gets one greedy completion per prompt. `round_` counts dynamic sampling's extra rounds."""
     seed = derive_seed(cfg.trainer.seed, iteration, "rollout", *([round_] if round_ else []))
     greedy = resolve(cfg.algorithm).needs_baseline
+    ensure_current(workers, version)
     return ray.get(workers.rollout.generate.remote(rows, sampling_params(cfg), seed, iteration, version, greedy))
 
 
@@ -72,17 +73,31 @@ def update_policy(workers: Workers, batch: Batch) -> dict[str, float]:
     return ray.get(workers.policy.update.remote(batch))
 
 
-@task(name="update-weights", retries=2, retry_condition_fn=retry_transient, **STAGE)
-def sync_weights(workers: Workers) -> int:
-    """Push the policy's weights to the rollout engine through the object store; returns their version."""
+def push_weights(workers: Workers) -> int:
+    """The policy's weights into the rollout engine through the object store; returns their version."""
     weights, version = workers.policy.get_weights.options(num_returns=2).remote()
     return ray.get(workers.rollout.update_weights.remote(weights, version))
 
 
-@task(name="testing", retries=2, retry_condition_fn=retry_transient, **STAGE)
+def ensure_current(workers: Workers, version: int) -> None:
+    """A rollout actor that Ray restarted after it died comes back with the SFT weights (version 0): give it
+    the policy's current weights before it samples, so a stale engine is never sampled."""
+    if ray.get(workers.rollout.weights_version.remote()) != version:
+        logger().warning("rollout worker holds stale weights (restarted?); pushing version %d", version)
+        push_weights(workers)
+
+
+@task(name="update-weights", retry_condition_fn=retry_transient, **RETRY_TRANSIENT, **STAGE)
+def sync_weights(workers: Workers) -> int:
+    """Push the policy's weights to the rollout engine through the object store; returns their version."""
+    return push_weights(workers)
+
+
+@task(name="testing", retry_condition_fn=retry_transient, **RETRY_TRANSIENT, **STAGE)
 def evaluate_policy(workers: Workers, rows: list[dict], cfg: Config) -> dict[str, float]:
     """Greedy accuracy and mean@k / pass@k on the held-out rows with the current weights."""
     rows = rows[:cfg.trainer.eval_size] if cfg.trainer.eval_size else rows
+    ensure_current(workers, ray.get(workers.policy.state.remote())["version"])
     return ray.get(workers.rollout.evaluate.remote(rows, cfg.reward_model, cfg.trainer.eval_k,
                                                    cfg.engine.max_new_tokens, derive_seed(cfg.trainer.seed, "eval"),
                                                    cfg.engine.temperature or 1.0))

@@ -8,21 +8,51 @@ from pathlib import Path
 import ray
 from prefect import task
 
-from components.config import Config, flatten
+from components.config import Config, fingerprint, flatten
 from components.data.io import write_json
-from components.lineage import verify_tracked
+from components.lineage import file_md5, verify_tracked
 from components.tracking import checkpoints
 from components.tracking.mlflow_tracker import Tracker, git_commit
 from components.tracking.plots import reward_curve
 from components.training.ray_workers import Workers
-from tasks.common import STAGE
+from tasks.common import STAGE, logger
+
+
+def run_fingerprint(cfg: Config) -> str:
+    """The config's training keys and the training data's md5: what a checkpoint must match to be resumed."""
+    return fingerprint(cfg, train_data=file_md5(cfg.data.train_path))
+
+
+@task(name="find-checkpoint", **STAGE)
+def find_checkpoint(cfg: Config, mode: str | None = None) -> tuple[str | None, dict]:
+    """The checkpoint trainer.resume_mode asks for (verified) and its state.json; (None, {}) to start fresh.
+
+    auto: the newest checkpoint under trainer.output_dir that verifies and was made with this config; a
+    corrupted one is passed over (and named in the log) for the last good one. A path: that checkpoint,
+    or CheckpointError naming the bad file."""
+    mode = mode or cfg.trainer.resume_mode
+    if mode == "disable":
+        return None, {}
+    if mode == "auto":
+        ckpt, skipped = checkpoints.find_resumable(Path(cfg.trainer.output_dir) / "checkpoints",
+                                                   run_fingerprint(cfg))
+        for reason in skipped:
+            logger().warning("resume: passed over a checkpoint: %s", reason)
+    else:
+        ckpt = Path(mode)
+        checkpoints.verify(ckpt)
+    if ckpt is None:
+        return None, {}
+    logger().warning("resuming from %s", ckpt)
+    return str(ckpt), json.loads((ckpt / "state.json").read_text())
 
 
 @task(name="start-run", **STAGE)
-def start_run(cfg: Config, pipeline: str, version: str, run_name: str) -> Tracker:
-    """One MLflow run: params = flattened config; tags = git commit, data hashes, pipeline name/version."""
+def start_run(cfg: Config, pipeline: str, version: str, run_name: str, run_id: str | None = None) -> Tracker:
+    """One MLflow run: params = flattened config; tags = git commit, data hashes, pipeline name/version.
+    With run_id (a resumed training) the same run continues; steps it already has are never logged again."""
     hashes = verify_tracked([cfg.data.train_path, cfg.data.eval_path])
-    tracker = Tracker(cfg.trainer.experiment_name, run_name)
+    tracker = Tracker(cfg.trainer.experiment_name, run_name, run_id=run_id)
     tracker.log_params(flatten(cfg))
     tracker.set_tags({"git_commit": git_commit(), "pipeline": pipeline or "adhoc", "pipeline_version": version or "",
                       "dvc.train_md5": hashes[cfg.data.train_path], "dvc.eval_md5": hashes[cfg.data.eval_path],
@@ -36,17 +66,28 @@ def log_metrics(tracker: Tracker, metrics: dict[str, float], step: int) -> bool:
 
 
 @task(name="save-checkpoint", **STAGE)
-def save_checkpoint(workers: Workers, tracker: Tracker, cfg: Config, iteration: int, sampler_state: dict,
-                    version: int) -> str:
-    """Atomic checkpoint (model, optional optimizer, state, manifest) logged to MLflow as an artifact."""
-    opt = ray.get(workers.policy.optimizer_state.remote()) if cfg.trainer.save_optimizer else None
+def save_checkpoint(workers: Workers, tracker: Tracker, cfg: Config, iteration: int, state: dict) -> tuple[str, dict]:
+    """Atomic checkpoint (the policy worker's model, optimizer, scheduler, RNG and critic; the driver's
+    `state`: sampler position, weights version, controller) logged to MLflow as an artifact. Returns its
+    directory and its state.json (checkpoint_metrics reads the save's timing from it)."""
     path = checkpoints.save_checkpoint(
         Path(cfg.trainer.output_dir) / "checkpoints", iteration,
-        lambda out: ray.get(workers.policy.save_model.remote(str(out))),
-        {"sampler": sampler_state, "weights_version": version, "mlflow_run_id": tracker.run_id,
-         "seed": cfg.trainer.seed}, opt)
+        lambda out: ray.get(workers.policy.write_checkpoint.remote(str(out), cfg.trainer.save_optimizer)),
+        {**state, "mlflow_run_id": tracker.run_id, "seed": cfg.trainer.seed, "fingerprint": run_fingerprint(cfg)},
+        keep=cfg.trainer.max_checkpoints_to_keep)
     tracker.log_artifacts(path, f"checkpoints/{path.name}")
-    return str(path)
+    return str(path), json.loads((path / "state.json").read_text())
+
+
+def checkpoint_metrics(state: dict) -> dict[str, float]:
+    """What a checkpoint's own state says about its save, logged at its iteration."""
+    return {"timing_s/save_checkpoint": float(state.get("save_seconds", 0.0))}
+
+
+@task(name="restore-checkpoint", **STAGE)
+def restore_checkpoint(workers: Workers, ckpt: str) -> int:
+    """Load a verified checkpoint into the policy worker; returns the weights version it holds."""
+    return ray.get(workers.policy.load_checkpoint.remote(ckpt))
 
 
 @task(name="finalize", **STAGE)
@@ -58,7 +99,7 @@ def finalize(workers: Workers, tracker: Tracker, cfg: Config, history: list[dict
     plot = reward_curve(history, out / "reward_curve.png")
     tracker.log_artifact(plot)
     last_eval = next((h for h in reversed(history) if "val/acc" in h), {})
-    info = {"run_id": tracker.run_id, "iterations": len(history), "wall_seconds": round(wall_s, 2),
+    info = {"run_id": tracker.run_id, "iterations": cfg.trainer.iterations, "wall_seconds": round(wall_s, 2),
             "final_model": final, "final_val_acc": last_eval.get("val/acc"), "experiment": cfg.trainer.experiment_name}
     write_json(info, out / "run.json")
     tracker.log_artifact(out / "run.json")

@@ -55,6 +55,9 @@ class KLController:
     target: float = 0.1
     horizon: int = 10000
 
+    def __post_init__(self) -> None:
+        self.start = self.value
+
     def update(self, current_kl: float, n_steps: int) -> float:
         if self.kind == "adaptive":
             error = max(-0.2, min(0.2, current_kl / self.target - 1))

@@ -1,6 +1,6 @@
 """Config: typed sections (schema), loading with `key=value` overrides (loader)."""
 
-from components.config.loader import flatten, load_config, parse_overrides
+from components.config.loader import fingerprint, flatten, load_config, parse_overrides
 from components.config.schema import Config
 
-__all__ = ["Config", "flatten", "load_config", "parse_overrides"]
+__all__ = ["Config", "fingerprint", "flatten", "load_config", "parse_overrides"]

@@ -108,6 +108,22 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         raise ConfigError(f"invalid config{where}:\n  - " + "\n  - ".join(lines)) from None
 
 
+# Keys that do not change what an iteration computes: a checkpoint made under other values still resumes.
+RESUME_NEUTRAL = ("trainer.iterations", "trainer.resume_mode", "trainer.progress", "trainer.save_interval",
+                  "trainer.test_interval", "trainer.eval_k", "trainer.eval_size", "trainer.experiment_name",
+                  "trainer.max_checkpoints_to_keep", "trainer.num_threads", "trainer.save_optimizer")
+
+
+def fingerprint(cfg: Config, **inputs: str) -> str:
+    """sha256 of every key that shapes training and of `inputs` (e.g. the training data's md5): auto-resume
+    only continues a checkpoint made with the same one, so new data or a changed key trains afresh."""
+    import hashlib
+    import json
+
+    flat = {k: v for k, v in flatten(cfg).items() if k not in RESUME_NEUTRAL}
+    return hashlib.sha256(json.dumps([flat, inputs], sort_keys=True, default=str).encode()).hexdigest()
+
+
 def flatten(cfg: Config) -> dict[str, Any]:
     """Dotted key -> scalar value, for MLflow params."""
     out: dict[str, Any] = {}

@@ -138,7 +138,12 @@ class TrainerConfig(Section):
     save_interval: int = Field(20, ge=1, description="checkpoint every N iterations (and at the end)")
     test_interval: int = Field(10, ge=1, description="evaluate every N iterations (and at the end)")
     seed: int = Field(0, description="seed of every RNG")
-    save_optimizer: bool = Field(False, description="store optimizer state in checkpoints")
+    save_optimizer: bool = Field(True, description="store optimizer state in checkpoints (an exact resume needs it)")
+    resume_mode: str = Field("auto", description="auto (newest verified checkpoint made with this config), disable, "
+                                                 "or a checkpoint directory")
+    max_worker_rebuilds: int = Field(3, ge=0, description="times a dead worker group is rebuilt from the last "
+                                                          "checkpoint before the run fails")
+    max_checkpoints_to_keep: int | None = Field(None, ge=1, description="prune all but the newest N (None = keep all)")
     output_dir: str = Field("checkpoints/grpo", description="checkpoints and the final model")
     num_workers: int = Field(1, ge=1, description="policy workers (Ray actors)")
     num_threads: int = Field(2, ge=1, description="torch threads per worker")

@@ -35,10 +35,12 @@ def load_tokenizer(path: str | Path, key: str = "actor.model.path") -> PreTraine
 
 
 def load_model(path: str | Path, dtype: str = "float32", attn: str = "sdpa",
-               key: str = "actor.model.path") -> PreTrainedModel:
-    """A causal LM from local disk only, in `dtype`, with the named attention kernel."""
+               key: str = "actor.model.path", safetensors_only: bool = False) -> PreTrainedModel:
+    """A causal LM from local disk only, in `dtype`, with the named attention kernel. safetensors_only
+    (checkpoints we wrote) refuses any pickle-based weight file instead of falling back to it."""
     return AutoModelForCausalLM.from_pretrained(_check_dir(path, key), dtype=DTYPES[dtype],
-                                                attn_implementation=attn, local_files_only=True)
+                                                attn_implementation=attn, local_files_only=True,
+                                                use_safetensors=True if safetensors_only else None)
 
 
 def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: str | Path) -> Path:

@@ -1,7 +1,7 @@
 """MLflow tracking with embedded defaults: a SQLite file and an artifact folder in the project.
 
-`MLFLOW_TRACKING_URI` is honoured. Metric names are sanitised (MLflow rejects '@'), and each step is
-logged once: a step already logged is refused, so a resumed run never logs it twice.
+`MLFLOW_TRACKING_URI` is honoured. Metric names are sanitised (MLflow rejects '@'), and each (metric, step)
+is logged once: one already logged is skipped, so a resumed run never logs a step twice.
 """
 
 from __future__ import annotations
@@ -61,14 +61,11 @@ class Tracker:
         else:
             self.client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
-        self._logged_steps = self._steps_already_logged()
+        self._logged = self._already_logged()
 
-    def _steps_already_logged(self) -> set[int]:
+    def _already_logged(self) -> set[tuple[str, int]]:
         run = self.client.get_run(self.run_id)
-        steps: set[int] = set()
-        for key in run.data.metrics:
-            steps |= {m.step for m in self.client.get_metric_history(self.run_id, key)}
-        return steps
+        return {(key, m.step) for key in run.data.metrics for m in self.client.get_metric_history(self.run_id, key)}
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -84,18 +81,17 @@ class Tracker:
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> bool:
-        """Log every metric at `step` in one batch; returns False (and logs nothing) if the step was logged."""
-        if step in self._logged_steps:
-            return False
+        """Log the metrics at `step` not logged there before, in batches; False when there was none new."""
         from mlflow.entities import Metric
         import time
 
         now = int(time.time() * 1000)
-        items = [Metric(metric_name(k), float(v), now, step) for k, v in metrics.items()]
+        fresh = {metric_name(k): float(v) for k, v in metrics.items() if (metric_name(k), step) not in self._logged}
+        items = [Metric(k, v, now, step) for k, v in fresh.items()]
         for i in range(0, len(items), 500):
             self.client.log_batch(self.run_id, metrics=items[i:i + 500])
-        self._logged_steps.add(step)
-        return True
+        self._logged |= {(k, step) for k in fresh}
+        return bool(fresh)
 
     def log_summary(self, metrics: dict[str, float]) -> None:
         """Metrics outside the per-iteration series (final evaluations), logged at step 0 of their own names."""

@@ -41,7 +41,9 @@ def start_workers(cfg: Config) -> Workers:
     ensure_ray()
     m = cfg.actor.model
     policy = ray.remote(num_cpus=1, max_restarts=0)(PolicyWorker).remote(cfg.model_dump())
-    rollout = ray.remote(num_cpus=1, max_restarts=1)(RolloutWorker).remote(
+    # the rollout actor is stateless but for its weights (pushed again after a restart); the policy actor is
+    # not restarted by Ray: the flow rebuilds it from the last checkpoint
+    rollout = ray.remote(num_cpus=1, max_restarts=3)(RolloutWorker).remote(
         m.path, cfg.engine.type, m.dtype, m.attention_implementation, cfg.trainer.num_threads)
     ray.get([policy.state.remote(), rollout.weights_version.remote()])  # surface start-up errors here
     return Workers(policy, rollout)
@@ -49,4 +51,13 @@ def start_workers(cfg: Config) -> Workers:
 
 def stop_workers(workers: Workers) -> None:
     for actor in (workers.policy, workers.rollout):
-        ray.kill(actor, no_restart=True)
+        try:
+            ray.kill(actor, no_restart=True)
+        except ValueError:  # not an actor handle any more: nothing to kill
+            pass
+
+
+def rebuild_workers(workers: Workers, cfg: Config) -> Workers:
+    """Kill what is left of a worker group and start a fresh one (the caller restores its state)."""
+    stop_workers(workers)
+    return start_workers(cfg)

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import random
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from components.algorithms.losses import PolicyLossParams
 from components.algorithms.presets import resolve
 from components.batch import Batch
 from components.config.schema import Config
+from components.errors import CheckpointError
 from components.models.loading import load_model, load_tokenizer, save_pretrained
+from components.tracking.checkpoints import load_optimizer, save_optimizer
 from components.training.actor import PolicyTrainer, UpdateSettings
 from components.training.critic import CriticTrainer, ValueModel
 from components.training.optim import make_optimizer
@@ -29,6 +36,20 @@ def update_settings(cfg: Config) -> UpdateSettings:
                               agg_mode=algo.loss_agg_mode),
         grad_clip=cfg.actor.optimizer.grad_clip, norm_const=float(cfg.engine.max_new_tokens), seed=cfg.trainer.seed,
         autocast_dtype=cfg.mixed_precision.dtype if cfg.mixed_precision.enabled else None)
+
+
+def rng_state() -> dict:
+    """Python's and numpy's global RNG states as JSON (torch's goes to safetensors)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+            "numpy": [kind, keys.tolist(), pos, has_gauss, gauss]}
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 def make_critic(cfg: Config, settings: UpdateSettings) -> CriticTrainer:
@@ -89,8 +110,46 @@ class PolicyWorker:
     def save_model(self, out: str) -> str:
         return str(save_pretrained(self.model, self.tokenizer, out))
 
-    def optimizer_state(self) -> dict:
-        return self.trainer.optimizer.state_dict()
+    def write_checkpoint(self, out: str, with_optimizer: bool = True) -> None:
+        """This worker's part of a checkpoint, into the (temporary) directory `out`: the model (HF format),
+        optimizer and scheduler state, RNG states, step counters and weights version, and the critic."""
+        out = Path(out)
+        self.save_model(str(out / "model"))
+        tensors, state = {"rng.torch": torch.get_rng_state()}, {"version": self.version, "rng": rng_state()}
+        parts = [("actor", self.trainer)] + ([("critic", self.critic)] if self.critic is not None else [])
+        for name, part in parts:
+            if with_optimizer:
+                save_optimizer(out, "optimizer" if name == "actor" else f"{name}_optimizer", part.optimizer.state_dict())
+            state[name] = {"steps": part.steps, "scheduler": part.scheduler.state_dict()}
+        if self.critic is not None:
+            save_file({k: v.detach().contiguous() for k, v in self.critic.model.state_dict().items()},
+                      out / "critic.safetensors")
+        save_file(tensors, out / "worker.safetensors")
+        (out / "worker.json").write_text(json.dumps(state, sort_keys=True))
+
+    def load_checkpoint(self, path: str) -> int:
+        """Restore everything write_checkpoint wrote (the caller verified the manifest); returns the version."""
+        ckpt = Path(path)
+        state = json.loads((ckpt / "worker.json").read_text())
+        loaded = load_model(ckpt / "model", self.cfg.actor.model.dtype, self.cfg.actor.model.attention_implementation,
+                            key=f"checkpoint {ckpt}", safetensors_only=True)
+        self.model.load_state_dict(loaded.state_dict())
+        parts = [("actor", self.trainer)] + ([("critic", self.critic)] if self.critic is not None else [])
+        for name, part in parts:
+            opt = load_optimizer(ckpt, "optimizer" if name == "actor" else f"{name}_optimizer")
+            if opt is None:
+                raise CheckpointError(f"{ckpt} has no {name} optimizer state (saved with trainer.save_optimizer="
+                                      "false), so a resume would not be exact. Start fresh with "
+                                      "trainer.resume_mode=disable.")
+            part.optimizer.load_state_dict(opt)
+            part.scheduler.load_state_dict(state[name]["scheduler"])
+            part.steps = state[name]["steps"]
+        if self.critic is not None:
+            self.critic.model.load_state_dict(load_file(ckpt / "critic.safetensors"))
+        torch.set_rng_state(load_file(ckpt / "worker.safetensors")["rng.torch"])
+        set_rng_state(state["rng"])
+        self.version = state["version"]
+        return self.version
 
     def state(self) -> dict:
         return {"version": self.version, "steps": self.trainer.steps}

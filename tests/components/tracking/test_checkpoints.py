@@ -11,10 +11,15 @@ from components.tracking import checkpoints
 from tests.conftest import make_model
 
 
-def write(root, it, tokenizer, opt_state=None):
+def write(root, it, tokenizer, opt_state=None, keep=2):
     model = make_model(tokenizer, seed=it)
-    return checkpoints.save_checkpoint(root, it, lambda out: save_pretrained(model, tokenizer, out),
-                                       {"sampler": {"epoch": 0, "cursor": it}}, opt_state, keep=2), model
+
+    def files(out):
+        save_pretrained(model, tokenizer, out / "model")
+        if opt_state is not None:
+            checkpoints.save_optimizer(out, "optimizer", opt_state)
+
+    return checkpoints.save_checkpoint(root, it, files, {"sampler": {"epoch": 0, "cursor": it}}, keep=keep), model
 
 
 def test_save_verify_latest_and_prune(tmp_path, tokenizer):
@@ -69,7 +74,6 @@ def test_failed_save_leaves_previous_checkpoint(tmp_path, tokenizer):
     good, _ = write(tmp_path, 1, tokenizer)
 
     def boom(out):
-        out.mkdir(parents=True)
         (out / "partial").write_text("x")
         raise OSError(28, "No space left on device")
 
@@ -77,3 +81,103 @@ def test_failed_save_leaves_previous_checkpoint(tmp_path, tokenizer):
         checkpoints.save_checkpoint(tmp_path, 2, boom, {})
     assert checkpoints.latest(tmp_path) == good
     assert not list(tmp_path.glob(".tmp_*")) and not (tmp_path / "iter_000002").exists()
+
+
+# ---- faults: a save killed halfway, corruption with fallback, a pickle payload ---------------------------------
+
+def test_save_killed_midway_keeps_previous_and_resume_cleans_up(tmp_path, tokenizer):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    good, _ = write(tmp_path, 1, tokenizer)
+    script = textwrap.dedent(f"""
+        import os, signal
+        from pathlib import Path
+        from components.tracking import checkpoints
+
+        def files(out):
+            (out / "model").mkdir()
+            (out / "model" / "model.safetensors").write_bytes(b"half a file")
+            os.kill(os.getpid(), signal.SIGKILL)  # the process dies after the first file, before the commit
+
+        checkpoints.save_checkpoint({str(tmp_path)!r}, 2, files, {{}})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=os.getcwd(), capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    assert list(tmp_path.glob(".tmp_iter_000002_*")), "the partial save should be on disk"
+    assert checkpoints.latest(tmp_path) == good  # the pointer never moved
+    ckpt, _ = checkpoints.find_resumable(tmp_path)
+    assert ckpt == good and not list(tmp_path.glob(".tmp_*")) and not (tmp_path / "iter_000002").exists()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "pointer"])
+def test_resume_falls_back_to_the_last_good_checkpoint(tmp_path, tokenizer, damage):
+    good, _ = write(tmp_path, 1, tokenizer, keep=None)
+    bad, _ = write(tmp_path, 2, tokenizer, keep=None)
+    target = bad / "model" / "model.safetensors"
+    data = bytearray(target.read_bytes())
+    if damage == "flip":
+        data[len(data) // 3] ^= 0x01
+        target.write_bytes(bytes(data))
+    elif damage == "truncate":
+        target.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        import shutil
+
+        shutil.rmtree(bad)  # `latest` now names a directory that is gone
+    ckpt, passed_over = checkpoints.find_resumable(tmp_path)
+    assert ckpt == good
+    assert passed_over and ("sha256" in passed_over[0] or "does not exist" in passed_over[0])
+
+
+def test_no_good_checkpoint_stops_with_a_clear_error(tmp_path, tokenizer):
+    path, _ = write(tmp_path, 1, tokenizer)
+    (path / "state.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="no checkpoint under .* verifies: .*state.json fails its sha256"):
+        checkpoints.find_resumable(tmp_path)
+
+
+def test_other_config_is_not_resumed(tmp_path, tokenizer):
+    write(tmp_path, 1, tokenizer)
+    ckpt, passed_over = checkpoints.find_resumable(tmp_path, fingerprint="another config")
+    assert ckpt is None and "different config" in passed_over[0]
+
+
+class _Payload:
+    """Unpickling this runs its side effect: what an attacker would put in a checkpoint file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_payload_in_a_checkpoint_is_refused_and_never_runs(tmp_path, tokenizer):
+    import hashlib
+    import pickle
+
+    from components.models.loading import load_model
+
+    opt = torch.optim.AdamW(make_model(tokenizer).parameters())
+    path, _ = write(tmp_path, 1, tokenizer, opt.state_dict())
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_Payload(str(marker)))
+    weights = path / "model" / "model.safetensors"
+    weights.unlink()
+    (path / "model" / "pytorch_model.bin").write_bytes(payload)  # a pickle where the weights should be
+    (path / "optimizer.safetensors").write_bytes(payload)
+    manifest = json.loads((path / "manifest.json").read_text())  # the attacker fixes the manifest too
+    manifest["files"].pop("model/model.safetensors")
+    manifest["files"]["model/pytorch_model.bin"] = hashlib.sha256(payload).hexdigest()
+    manifest["files"]["optimizer.safetensors"] = hashlib.sha256(payload).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    checkpoints.verify(path)  # the checksums match, so only the loaders stand between the payload and us
+    with pytest.raises(Exception):
+        checkpoints.load_state(path)
+    with pytest.raises(Exception):
+        load_model(path / "model", safetensors_only=True)
+    assert not marker.exists()
