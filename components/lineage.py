@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import yaml
@@ -19,8 +20,18 @@ def file_md5(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def _dir_listing(repo: Path, out_path: str, dir_md5: str) -> dict[str, str]:
+    """The files of a directory output, from DVC's cache (.dvc/cache/files/md5/xx/rest.dir); empty if absent."""
+    digest = dir_md5[: -len(".dir")]
+    listing = repo / ".dvc" / "cache" / "files" / "md5" / digest[:2] / f"{digest[2:]}.dir"
+    if not listing.is_file():
+        return {}
+    return {str(Path(out_path) / e["relpath"]): e["md5"] for e in json.loads(listing.read_text())}
+
+
 def locked_md5s(lock: str | Path = "dvc.lock") -> dict[str, str]:
-    """Output path -> md5 for every file output recorded in dvc.lock (empty when there is no lock)."""
+    """File path -> md5 for every output recorded in dvc.lock: file outputs directly, the files of directory
+    outputs through their listing in DVC's cache (empty when there is no lock)."""
     p = Path(lock)
     if not p.is_file():
         return {}
@@ -28,8 +39,11 @@ def locked_md5s(lock: str | Path = "dvc.lock") -> dict[str, str]:
     out = {}
     for stage in (data.get("stages") or {}).values():
         for o in stage.get("outs") or []:
-            if "md5" in o and not str(o["md5"]).endswith(".dir"):
-                out[str(Path(o["path"]))] = o["md5"]
+            md5 = str(o.get("md5", ""))
+            if md5.endswith(".dir"):
+                out.update(_dir_listing(p.parent, o["path"], md5))
+            elif md5:
+                out[str(Path(o["path"]))] = md5
     return out
 
 

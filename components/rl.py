@@ -132,12 +132,26 @@ def informative_rows(batch: Batch) -> Batch:
     return batch.select(keep.nonzero().squeeze(-1))
 
 
+def _pad_width(t: torch.Tensor, width: int, left: bool) -> torch.Tensor:
+    """(N, W) -> (N, width) with zeros: on the left for prompts (they end at the last column), else right."""
+    extra = width - t.shape[1]
+    if extra <= 0:
+        return t
+    pad = torch.zeros((t.shape[0], extra), dtype=t.dtype)
+    return torch.cat([pad, t] if left else [t, pad], dim=1)
+
+
 def concat_rounds(parts: list[Batch]) -> Batch:
-    """Batches from several generation rounds as one, group ids renumbered so rounds never share a group."""
+    """Batches from several generation rounds as one: group ids renumbered so rounds never share a group, and
+    2-D tensors padded to a common width (prompt tensors on the left, response tensors on the right; the
+    masks are 0 on the padding, so no loss or reward sees it)."""
+    parts = [p for p in parts if len(p)] or parts[:1]
+    widths = {k: max(p.tensors[k].shape[1] for p in parts) for k, v in parts[0].tensors.items() if v.dim() == 2}
     out, offset = [], 0
     for p in parts:
         ids = p.tensors["group_ids"]
-        out.append(p.union(group_ids=ids + offset))
+        padded = {k: _pad_width(p.tensors[k], w, k.startswith("prompt")) for k, w in widths.items()}
+        out.append(p.union(group_ids=ids + offset, **padded))
         offset += int(ids.max()) + 1 if len(ids) else 0
     return Batch.concat(out)
 

@@ -55,13 +55,17 @@ def clean_data(cfg: Config) -> list[CleanReport]:
 
 @task(name="load-datasets", timeout_seconds=600)
 def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """The cleaned train and eval rows as plain dicts."""
+    """The cleaned train and eval rows as plain dicts, once their md5 matches what DVC recorded (a file
+    edited behind DVC's back stops the run here, naming it, before anything is trained)."""
     from components.data.io import read_rows
     from components.errors import DataError
+    from components.lineage import verify_tracked
 
     out = []
     for key, path in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
-        rows = read_rows(path, key=key).to_dict("records")
+        rows = read_rows(path, key=key)  # a missing file: DataError naming the key
+        verify_tracked([path])
+        rows = rows.to_dict("records")
         if not rows:
             raise DataError(f"{key}: {path} has no rows; run `reinforge clean` and check the quarantine folder")
         out.append([to_plain(r) for r in rows])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from components.errors import ConfigError
@@ -18,11 +19,39 @@ ENGINE_PACKAGES = {
 }
 
 
+# Paths the pipeline reads as data or writes to: each must resolve (symlinks followed) inside trainer.run_dir.
+CONTAINED_PATHS = ("data.train_path", "data.eval_path", "data.raw_dir", "data.quarantine_dir", "sft.output_dir",
+                   "trainer.output_dir")
+
+
+def _get(cfg, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def path_problems(cfg: "Config") -> list[str]:
+    """Each contained path that escapes trainer.run_dir (by `..`, an absolute path or a symlink), with the fix.
+    Only resolves names; nothing is created or written."""
+    root = Path(cfg.trainer.run_dir).resolve()
+    problems = []
+    for key in CONTAINED_PATHS:
+        raw = _get(cfg, key)
+        resolved = Path(raw).resolve()
+        if resolved != root and root not in resolved.parents:
+            how = "a symlink leads" if Path(raw).resolve() != Path(raw).absolute() and ".." not in Path(raw).parts \
+                else "it resolves"
+            problems.append(f"{key}={raw}: {how} outside the run directory {root} (to {resolved}). Keep it "
+                            "inside, or set trainer.run_dir to a directory that holds it.")
+    return problems
+
+
 def check_combinations(cfg: "Config") -> None:
     """Raise one ConfigError listing every impossible combination in `cfg`."""
     from components.algorithms import presets
 
-    problems: list[str] = []
+    problems: list[str] = path_problems(cfg)
     algo = None
     try:
         algo = presets.resolve(cfg.algorithm)

@@ -145,6 +145,8 @@ class TrainerConfig(Section):
                                                           "checkpoint before the run fails")
     max_checkpoints_to_keep: int | None = Field(None, ge=1, description="prune all but the newest N (None = keep all)")
     output_dir: str = Field("checkpoints/grpo", description="checkpoints and the final model")
+    run_dir: str = Field(".", description="every data and output path must resolve inside it ('.' = the working "
+                                          "directory); model paths may point anywhere (read only)")
     num_workers: int = Field(1, ge=1, description="policy workers (Ray actors)")
     num_threads: int = Field(2, ge=1, description="torch threads per worker")
     experiment_name: str = Field("reinforge", description="MLflow experiment")

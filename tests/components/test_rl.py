@@ -118,3 +118,16 @@ def test_dynamic_sampling_helpers():
     both = concat_rounds([kept, kept])
     assert both.tensors["group_ids"].tolist() == [1, 1, 3, 3]  # rounds never share a group id
     assert first_groups(both, 1).tensors["group_ids"].tolist() == [1, 1]
+
+
+def test_rounds_of_different_widths_concatenate_with_padding():
+    a = Batch({"prompts": torch.tensor([[5, 6]]), "prompt_mask": torch.tensor([[1, 1]]),
+               "responses": torch.tensor([[7, 8, 9]]), "response_mask": torch.tensor([[1, 1, 1]]),
+               "group_ids": torch.tensor([0])})
+    b = Batch({"prompts": torch.tensor([[4, 5, 6]]), "prompt_mask": torch.tensor([[1, 1, 1]]),
+               "responses": torch.tensor([[7]]), "response_mask": torch.tensor([[1]]), "group_ids": torch.tensor([0])})
+    both = concat_rounds([a, b])
+    t = both.tensors
+    assert t["prompts"].tolist() == [[0, 5, 6], [4, 5, 6]] and t["prompt_mask"].tolist() == [[0, 1, 1], [1, 1, 1]]
+    assert t["responses"].tolist() == [[7, 8, 9], [7, 0, 0]] and t["response_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert t["group_ids"].tolist() == [0, 1]

@@ -25,7 +25,7 @@ def ray_local():
 
 def small_overrides(root, iterations=4) -> list[str]:
     """A shrunken default pipeline whose every output lives under `root`."""
-    return [f"data.raw_dir={root}/raw", f"data.train_path={root}/clean/train.parquet",
+    return [f"trainer.run_dir={root}", f"data.raw_dir={root}/raw", f"data.train_path={root}/clean/train.parquet",
             f"data.eval_path={root}/clean/test.parquet", f"data.quarantine_dir={root}/quarantine",
             f"sft.output_dir={root}/sft", f"actor.model.path={root}/sft", f"trainer.output_dir={root}/grpo",
             "data.num_train=120", "data.num_eval=16", "data.max_operand=20", "data.batch_size=8", "engine.n=4",

@@ -11,7 +11,7 @@ import pytest
 from components.config import load_config
 from components.data.formats import ROW_SCHEMA, arithmetic_rows
 from components.data.io import write_parquet
-from components.errors import DataError
+from components.errors import ConfigError, DataError
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -38,7 +38,7 @@ def test_reinforge_command_help_and_unknown_subcommand():
 def test_missing_data_file_names_it(tmp_path):
     from tasks.data import load_datasets
 
-    cfg = load_config("configs/arith_grpo.yaml", [f"data.train_path={tmp_path}/missing.parquet"])
+    cfg = load_config("configs/arith_grpo.yaml", [f"data.train_path={tmp_path}/missing.parquet", "trainer.run_dir=/"])
     with pytest.raises(DataError, match=r"data\.train_path: .*missing\.parquet does not exist"):
         load_datasets.fn(cfg)
 
@@ -59,10 +59,38 @@ def test_malformed_dataset_is_quarantined_and_clean_output_is_whole(tmp_path):
     write_parquet(test, raw / "test.parquet", ROW_SCHEMA)
     cfg = load_config("configs/arith_grpo.yaml", [f"data.raw_dir={raw}", f"data.train_path={tmp_path}/c/train.parquet",
                                                   f"data.eval_path={tmp_path}/c/test.parquet",
-                                                  f"data.quarantine_dir={tmp_path}/q"])
+                                                  f"data.quarantine_dir={tmp_path}/q", f"trainer.run_dir=/"])
     reports = clean_data.fn(cfg)
     assert (reports[0].input_rows, reports[0].kept, reports[0].quarantined) == (33, 30, 3)
     q = pq.read_table(tmp_path / "q" / "train.parquet").to_pylist()
     assert sorted(r["reason"].split(":")[0] for r in q) == ["duplicate of row 2", "schema", "schema"]
     assert len(pq.read_table(tmp_path / "c" / "train.parquet")) == 30
     assert not list((tmp_path / "c").glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("key", ["trainer.output_dir", "data.train_path", "data.quarantine_dir"])
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
+def test_paths_leaving_the_run_dir_are_rejected_before_any_io(tmp_path, key, how):
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    run.mkdir()
+    outside.mkdir()
+    if how == "dotdot":
+        value = f"{run}/../outside/x"
+    elif how == "absolute":
+        value = str(outside / "x")
+    else:
+        (run / "link").symlink_to(outside, target_is_directory=True)
+        value = f"{run}/link/x"
+    import re
+
+    reason = "a symlink leads" if how == "symlink" else "it resolves"
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}={re.escape(value)}: {reason} outside the run directory"):
+        load_config("configs/arith_grpo.yaml", [f"trainer.run_dir={run}", f"{key}={value}"])
+    assert not list(outside.iterdir())
+
+
+def test_cli_refuses_an_escaping_path_and_writes_nothing(tmp_path):
+    outside = tmp_path / "outside"
+    res = cli("flows.data", "--config", "configs/arith_grpo.yaml", f"data.raw_dir={outside}/raw")
+    assert res.returncode == 2 and "data.raw_dir=" in res.stderr and "outside the run directory" in res.stderr
+    assert "Traceback" not in res.stderr and not outside.exists()

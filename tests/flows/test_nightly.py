@@ -1,0 +1,47 @@
+"""8. Two nightly runs started together: one trains, the other exits saying why. The one that trains is
+then SIGKILLed mid-training, and the next nightly resumes its run instead of starting over."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.flows.conftest import small_overrides
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path):
+    ov = small_overrides(tmp_path, iterations=6) + ["trainer.save_interval=1"]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db", "PYTHONUNBUFFERED": "1"}
+    env.pop("PREFECT_API_URL", None)
+    cmd = [sys.executable, "-m", "flows.nightly", "--config", "configs/arith_grpo.yaml", *ov]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for _ in range(2)]
+    ckpts = tmp_path / "grpo" / "checkpoints"
+    deadline, loser = time.time() + 600, None
+    while time.time() < deadline and not (ckpts / "latest").is_file():
+        for p in procs:
+            if p.poll() is not None and loser is None:
+                loser = p
+        time.sleep(0.1)
+    assert loser is not None, "both nightlies were still running when training had started"
+    out, err = loser.communicate(timeout=60)
+    assert loser.returncode == 2 and "already running (pid" in err and "exits without training" in err, err
+    winner = next(p for p in procs if p is not loser)
+    os.killpg(winner.pid, signal.SIGKILL)  # the nightly that trains crashes mid-training
+    winner.wait(60)
+    killed_at = (ckpts / "latest").read_text().strip()
+    run_id = json.loads((ckpts / killed_at / "state.json").read_text())["mlflow_run_id"]
+
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(res.stdout[res.stdout.index("{"):])
+    assert result["train"]["run_id"] == run_id  # the crashed run was continued, not started over
+    assert (ckpts / "latest").read_text().strip() == "iter_000006"
