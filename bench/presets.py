@@ -12,7 +12,6 @@ SFT model and on each final model. Prints a Markdown table and writes bench/resu
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 

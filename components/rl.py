@@ -63,15 +63,16 @@ def _stats(name: str, x: torch.Tensor) -> dict[str, float]:
 
 
 def add_rewards(batch: Batch, texts: list[str], reward_cfg, overlong: tuple[int, int, float] | None = None,
-                baseline_texts: list[str] | None = None) -> tuple[Batch, dict[str, float]]:
+                baseline_texts: list[str] | None = None, score=score_batch) -> tuple[Batch, dict[str, float]]:
     """Score each response; the sequence reward sits on its last response token (token_rewards (N, R)).
 
     overlong = (max_len, buffer_len, factor) adds DAPO's overlong penalty to the reward (not to `scores`).
     baseline_texts, one greedy completion per row (repeated over the n samples of a prompt), are scored once
     per prompt into `baseline_values` (N, R) for remax. Rows whose score is invalid get valid = False.
+    `score` has score_batch's signature (the training flow scores in a Ray task that is retried if it dies).
     """
     nt, n = batch.non_tensors, batch.meta.get("n", 1)
-    scores, valid = score_batch(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"], reward_cfg)
+    scores, valid = score(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"], reward_cfg)
     mask = batch.tensors["response_mask"]
     lengths = mask.sum(-1)
     s = torch.tensor(scores, dtype=torch.float32)
@@ -85,7 +86,7 @@ def add_rewards(batch: Batch, texts: list[str], reward_cfg, overlong: tuple[int,
         rewards = s + penalty
         metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
     if baseline_texts is not None:
-        per_prompt, _ = score_batch(baseline_texts[::n], nt["ground_truth"][::n], nt["data_source"][::n],
+        per_prompt, _ = score(baseline_texts[::n], nt["ground_truth"][::n], nt["data_source"][::n],
                                     nt["extra_info"][::n], reward_cfg)
         base = torch.tensor(per_prompt, dtype=torch.float32).repeat_interleave(n)
         extra["baseline_values"] = base[:, None] * mask

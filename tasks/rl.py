@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ray
 from prefect import task
 
 from components.algorithms.presets import resolve
@@ -36,7 +35,7 @@ def generate_rollouts(workers: Workers, rows: list[dict], cfg: Config, iteration
     seed = derive_seed(cfg.trainer.seed, iteration, "rollout", *([round_] if round_ else []))
     greedy = resolve(cfg.algorithm).needs_baseline
     ensure_current(workers, version)
-    return ray.get(workers.rollout.generate.remote(rows, sampling_params(cfg), seed, iteration, version, greedy))
+    return workers.call("rollout", "generate", rows, sampling_params(cfg), seed, iteration, version, greedy)
 
 
 @task(name="reward", **STAGE)
@@ -48,13 +47,14 @@ def score_rewards(batch: Batch, tokenizer, cfg: Config) -> tuple[Batch, dict[str
     overlong = (max_len, round(algo.overlong_buffer_frac * max_len), cfg.algorithm.overlong_penalty_factor)
     baseline = decode_responses(tokenizer, batch, "baseline_responses", "baseline_mask") \
         if "baseline_responses" in batch.tensors else None
-    return add_rewards(batch, decode_responses(tokenizer, batch), cfg.reward_model, overlong, baseline)
+    return add_rewards(batch, decode_responses(tokenizer, batch), cfg.reward_model, overlong, baseline,
+                       ray_workers.score_in_worker)
 
 
 @task(name="old-log-prob", **STAGE)
 def prepare_batch(workers: Workers, batch: Batch) -> tuple[Batch, dict[str, float]]:
     """Old and reference log-probs and critic values, when the advantages need them; with per-stage seconds."""
-    return ray.get(workers.policy.prepare.remote(batch))
+    return workers.call("policy", "prepare", batch)
 
 
 @task(name="adv", **STAGE)
@@ -65,25 +65,26 @@ def compute_advantages(batch: Batch, cfg: Config, kl_coef: float | None = None) 
 
 @task(name="update-critic", **STAGE)
 def update_critic(workers: Workers, batch: Batch) -> dict[str, float]:
-    return ray.get(workers.policy.update_critic.remote(batch))
+    return workers.call("policy", "update_critic", batch)
 
 
 @task(name="update-actor", **STAGE)
 def update_policy(workers: Workers, batch: Batch) -> dict[str, float]:
-    return ray.get(workers.policy.update.remote(batch))
+    return workers.call("policy", "update", batch)
 
 
 def push_weights(workers: Workers) -> int:
     """The policy's weights into the rollout engine through the object store; returns their version."""
     weights, version = workers.policy.get_weights.options(num_returns=2).remote()
-    return ray.get(workers.rollout.update_weights.remote(weights, version))
+    return workers.call("rollout", "update_weights", weights, version)
 
 
 def ensure_current(workers: Workers, version: int) -> None:
     """A rollout actor that Ray restarted after it died comes back with the SFT weights (version 0): give it
     the policy's current weights before it samples, so a stale engine is never sampled."""
-    if ray.get(workers.rollout.weights_version.remote()) != version:
+    if workers.call("rollout", "weights_version") != version:
         logger().warning("rollout worker holds stale weights (restarted?); pushing version %d", version)
+        workers.refresh_pid("rollout")
         push_weights(workers)
 
 
@@ -97,7 +98,6 @@ def sync_weights(workers: Workers) -> int:
 def evaluate_policy(workers: Workers, rows: list[dict], cfg: Config) -> dict[str, float]:
     """Greedy accuracy and mean@k / pass@k on the held-out rows with the current weights."""
     rows = rows[:cfg.trainer.eval_size] if cfg.trainer.eval_size else rows
-    ensure_current(workers, ray.get(workers.policy.state.remote())["version"])
-    return ray.get(workers.rollout.evaluate.remote(rows, cfg.reward_model, cfg.trainer.eval_k,
-                                                   cfg.engine.max_new_tokens, derive_seed(cfg.trainer.seed, "eval"),
-                                                   cfg.engine.temperature or 1.0))
+    ensure_current(workers, workers.call("policy", "state")["version"])
+    return workers.call("rollout", "evaluate", rows, cfg.reward_model, cfg.trainer.eval_k, cfg.engine.max_new_tokens,
+                        derive_seed(cfg.trainer.seed, "eval"), cfg.engine.temperature or 1.0)

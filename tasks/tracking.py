@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import ray
 from prefect import task
 
 from components.config import Config, fingerprint, flatten
@@ -72,7 +71,7 @@ def save_checkpoint(workers: Workers, tracker: Tracker, cfg: Config, iteration: 
     directory and its state.json (checkpoint_metrics reads the save's timing from it)."""
     path = checkpoints.save_checkpoint(
         Path(cfg.trainer.output_dir) / "checkpoints", iteration,
-        lambda out: ray.get(workers.policy.write_checkpoint.remote(str(out), cfg.trainer.save_optimizer)),
+        lambda out: workers.call("policy", "write_checkpoint", str(out), cfg.trainer.save_optimizer),
         {**state, "mlflow_run_id": tracker.run_id, "seed": cfg.trainer.seed, "fingerprint": run_fingerprint(cfg)},
         keep=cfg.trainer.max_checkpoints_to_keep)
     tracker.log_artifacts(path, f"checkpoints/{path.name}")
@@ -87,14 +86,14 @@ def checkpoint_metrics(state: dict) -> dict[str, float]:
 @task(name="restore-checkpoint", **STAGE)
 def restore_checkpoint(workers: Workers, ckpt: str) -> int:
     """Load a verified checkpoint into the policy worker; returns the weights version it holds."""
-    return ray.get(workers.policy.load_checkpoint.remote(ckpt))
+    return workers.call("policy", "load_checkpoint", ckpt)
 
 
 @task(name="finalize", **STAGE)
 def finalize(workers: Workers, tracker: Tracker, cfg: Config, history: list[dict], wall_s: float) -> dict:
     """Save the final model (HF format), the reward curve and run.json; end the MLflow run."""
     out = Path(cfg.trainer.output_dir)
-    final = ray.get(workers.policy.save_model.remote(str(out / "final")))
+    final = workers.call("policy", "save_model", str(out / "final"))
     tracker.log_artifacts(final, "final_model")
     plot = reward_curve(history, out / "reward_curve.png")
     tracker.log_artifact(plot)

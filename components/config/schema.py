@@ -141,6 +141,8 @@ class TrainerConfig(Section):
     save_optimizer: bool = Field(True, description="store optimizer state in checkpoints (an exact resume needs it)")
     resume_mode: str = Field("auto", description="auto (newest verified checkpoint made with this config), disable, "
                                                  "or a checkpoint directory")
+    stage_timeout_s: int = Field(1200, ge=1, description="a worker call running longer is killed with every process "
+                                                         "it started, and counts as the worker's death")
     max_worker_rebuilds: int = Field(3, ge=0, description="times a dead worker group is rebuilt from the last "
                                                           "checkpoint before the run fails")
     max_checkpoints_to_keep: int | None = Field(None, ge=1, description="prune all but the newest N (None = keep all)")

@@ -24,16 +24,22 @@ def scorer_for(data_source: str, reward_cfg) -> Scorer:
     return REWARDS[data_source](reward_cfg)
 
 
+def scorers_for(data_sources: list[str], reward_cfg) -> dict[str, Scorer]:
+    """The scorer of each distinct data_source (KeyError naming an unregistered one)."""
+    return {source: scorer_for(source, reward_cfg) for source in dict.fromkeys(data_sources)}
+
+
 def score_batch(texts: list[str], ground_truths: list[str], data_sources: list[str], extra_infos: list[dict],
-                reward_cfg) -> tuple[list[float], list[bool]]:
+                reward_cfg, scorers: dict[str, Scorer] | None = None) -> tuple[list[float], list[bool]]:
     """Scores per response and whether each is valid; invalid ones (None, NaN, inf, not a number) score 0.
 
-    A scorer that raises is a bug: the error names the sample and is not retried.
+    A scorer that raises is a bug: the error names the sample and is not retried. `scorers` (data_source ->
+    scorer, from scorers_for) lets another process score with the scorers resolved here.
     """
     scores, valid = [], []
-    cache: dict[str, Scorer] = {}
+    cache = scorers if scorers is not None else scorers_for(data_sources, reward_cfg)
     for i, (text, truth, source, extra) in enumerate(zip(texts, ground_truths, data_sources, extra_infos)):
-        fn = cache.get(source) or cache.setdefault(source, scorer_for(source, reward_cfg))
+        fn = cache[source]
         try:
             value = fn(text, truth, extra)
         except Exception as exc:

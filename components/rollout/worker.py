@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
@@ -20,6 +21,9 @@ class RolloutWorker:
         model = load_model(model_path, dtype, attn, key)
         self.engine = make_engine(engine_type, model=model, eos_id=self.tokenizer.eos_token_id,
                                   pad_id=self.tokenizer.pad_token_id)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def weights_version(self) -> int:
         return self.engine.weights_version

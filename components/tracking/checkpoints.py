@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from components.data.io import write_atomic, write_json
+from components.data.io import write_atomic
 from components.errors import CheckpointError
 
 MANIFEST = "manifest.json"

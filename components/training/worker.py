@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -150,6 +151,9 @@ class PolicyWorker:
         set_rng_state(state["rng"])
         self.version = state["version"]
         return self.version
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def state(self) -> dict:
         return {"version": self.version, "steps": self.trainer.steps}

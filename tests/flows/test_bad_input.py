@@ -59,7 +59,7 @@ def test_malformed_dataset_is_quarantined_and_clean_output_is_whole(tmp_path):
     write_parquet(test, raw / "test.parquet", ROW_SCHEMA)
     cfg = load_config("configs/arith_grpo.yaml", [f"data.raw_dir={raw}", f"data.train_path={tmp_path}/c/train.parquet",
                                                   f"data.eval_path={tmp_path}/c/test.parquet",
-                                                  f"data.quarantine_dir={tmp_path}/q", f"trainer.run_dir=/"])
+                                                  f"data.quarantine_dir={tmp_path}/q", "trainer.run_dir=/"])
     reports = clean_data.fn(cfg)
     assert (reports[0].input_rows, reports[0].kept, reports[0].quarantined) == (33, 30, 3)
     q = pq.read_table(tmp_path / "q" / "train.parquet").to_pylist()

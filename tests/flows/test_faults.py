@@ -128,9 +128,11 @@ def test_disk_full_during_a_save_fails_the_run_and_keeps_the_previous_checkpoint
 
 
 def _pids(title: str) -> list[int]:
+    """Ray actor processes of this test's own local cluster (descendants of this process) by title."""
     import psutil
 
-    return [p.pid for p in psutil.process_iter(["cmdline"]) if any(title in c for c in (p.info["cmdline"] or []))]
+    mine = psutil.Process(os.getpid()).children(recursive=True)
+    return [p.pid for p in mine if any(title in c for c in (p.cmdline() or []))]
 
 
 def test_rollout_and_policy_workers_killed_mid_run(start, whole, monkeypatch):
