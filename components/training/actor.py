@@ -19,24 +19,14 @@ from components.training.loop import LoopSettings, micro_batches, minibatch_upda
 
 @dataclass(frozen=True)
 class UpdateSettings:
-    ppo_epochs: int = 1
-    mini_batch_size: int | None = None  # None = the whole batch
-    micro_batch_size: int | None = None  # None = the whole mini-batch
+    loop: LoopSettings = field(default_factory=LoopSettings)  # epochs, mini/micro-batches, grad clip, seed
     temperature: float = 1.0
     beta: float = 0.0  # KL-to-reference loss coefficient (kl_loss_coef); 0 = no KL term
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
     policy_loss: str = "vanilla"
     loss: PolicyLossParams = field(default_factory=PolicyLossParams)
-    grad_clip: float = 1.0
-    norm_const: float = 1.0  # seq-mean-token-sum-norm constant (max response length)
-    seed: int = 0
     autocast_dtype: str | None = None  # "bf16" / "fp16": autocast the update's forward passes
-
-    @property
-    def loop(self) -> LoopSettings:
-        return LoopSettings(self.ppo_epochs, self.mini_batch_size, self.micro_batch_size, self.grad_clip,
-                            self.norm_const, self.seed)
 
 
 def autocast(model: torch.nn.Module, dtype_name: str | None):
@@ -61,14 +51,14 @@ class PolicyTrainer:
 
     def off_policy(self, n_rows: int) -> bool:
         """More than one optimizer step per batch, so the ratio to the behaviour policy moves off 1."""
-        return self.s.ppo_epochs > 1 or (self.s.mini_batch_size or n_rows) < n_rows
+        return self.s.loop.ppo_epochs > 1 or (self.s.loop.mini_batch_size or n_rows) < n_rows
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
         """Log-probs (N, R) of the responses under the current policy or the frozen reference."""
         model = self.ref_model if reference else self.model
         model.eval()
-        return torch.cat([self._logprobs(model, p)[0] for p in micro_batches(batch, self.s.micro_batch_size)])
+        return torch.cat([self._logprobs(model, p)[0] for p in micro_batches(batch, self.s.loop.micro_batch_size)])
 
     def prepare(self, batch: Batch, need_old: bool = False) -> Batch:
         """Add what the update needs and the batch lacks: old (behaviour) log-probs when off-policy or asked,

@@ -21,6 +21,7 @@ from components.models.loading import load_model, load_tokenizer, save_pretraine
 from components.tracking.checkpoints import load_optimizer, save_optimizer
 from components.training.actor import PolicyTrainer, UpdateSettings
 from components.training.critic import CriticTrainer, ValueModel
+from components.training.loop import LoopSettings
 from components.training.optim import make_optimizer
 from components.training.seeding import seed_everything
 
@@ -28,14 +29,15 @@ from components.training.seeding import seed_everything
 def update_settings(cfg: Config) -> UpdateSettings:
     algo = resolve(cfg.algorithm)
     a = cfg.algorithm
+    loop = LoopSettings(ppo_epochs=cfg.actor.ppo_epochs, mini_batch_size=cfg.actor.ppo_mini_batch_size,
+                        micro_batch_size=cfg.actor.ppo_micro_batch_size, grad_clip=cfg.actor.optimizer.grad_clip,
+                        norm_const=float(cfg.engine.max_new_tokens), seed=cfg.trainer.seed)
     return UpdateSettings(
-        ppo_epochs=cfg.actor.ppo_epochs, mini_batch_size=cfg.actor.ppo_mini_batch_size,
-        micro_batch_size=cfg.actor.ppo_micro_batch_size, temperature=cfg.engine.temperature or 1.0,
+        loop=loop, temperature=cfg.engine.temperature or 1.0,
         beta=a.kl_loss_coef if algo.use_kl_loss else 0.0, kl_loss_type=algo.kl_loss_type,
         entropy_coeff=a.entropy_coeff, policy_loss=algo.policy_loss,
         loss=PolicyLossParams(clip_low=a.clip_epsilon, clip_high=algo.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
                               agg_mode=algo.loss_agg_mode),
-        grad_clip=cfg.actor.optimizer.grad_clip, norm_const=float(cfg.engine.max_new_tokens), seed=cfg.trainer.seed,
         autocast_dtype=cfg.mixed_precision.dtype if cfg.mixed_precision.enabled else None)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
+
 import pytest
 
 
@@ -35,3 +38,19 @@ def small_overrides(root, iterations=4) -> list[str]:
             "trainer.experiment_name=e2e", "actor.optimizer.lr=1e-3",
             # partial credit for any number, so a barely-trained model still gets unequal rewards in a group
             "reward_model.method=flexible", "reward_model.format_score=0.1", "sft.steps=60"]
+
+
+@contextmanager
+def sft_ready(root, iterations: int = 4, extra: tuple[str, ...] = ()):
+    """MLflow in `root`, the data prepared and cleaned and the SFT model trained there; yields the overrides."""
+    from flows.data import data_flow
+    from flows.sft import sft_flow
+
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlruns.db"
+    ov = small_overrides(root, iterations) + list(extra)
+    try:
+        data_flow("configs/arith_grpo.yaml", ov)
+        sft_flow("configs/arith_grpo.yaml", ov)
+        yield ov
+    finally:
+        os.environ.pop("MLFLOW_TRACKING_URI")

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from components.models.loading import load_model
 from components.tracking import checkpoints
-from tests.flows.conftest import small_overrides
+from tests.flows.conftest import sft_ready
 
 pytestmark = pytest.mark.slow
 
@@ -28,15 +28,8 @@ ITERATIONS = 4
 @pytest.fixture(scope="module")
 def start(tmp_path_factory, prefect_harness, ray_local):
     root = tmp_path_factory.mktemp("faults")
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlruns.db"
-    from flows.data import data_flow
-    from flows.sft import sft_flow
-
-    ov = small_overrides(root, ITERATIONS) + ["trainer.save_interval=1"]
-    data_flow("configs/arith_grpo.yaml", ov)
-    sft_flow("configs/arith_grpo.yaml", ov)
-    yield root, ov
-    os.environ.pop("MLFLOW_TRACKING_URI")
+    with sft_ready(root, ITERATIONS, ("trainer.save_interval=1",)) as ov:
+        yield root, ov
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from components.algorithms.presets import PRESETS
-from tests.flows.conftest import small_overrides
+from tests.flows.conftest import sft_ready
 
 pytestmark = pytest.mark.slow
 
@@ -30,18 +30,9 @@ EXTRA = {  # exercise the KL paths too: in the reward (adaptive) with PPO, in th
 
 @pytest.fixture(scope="module")
 def shared_start(tmp_path_factory, prefect_harness, ray_local):
-    import os
-
     root = tmp_path_factory.mktemp("presets")
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlruns.db"
-    from flows.data import data_flow
-    from flows.sft import sft_flow
-
-    ov = small_overrides(root, ITERATIONS)
-    data_flow("configs/arith_grpo.yaml", ov)
-    sft_flow("configs/arith_grpo.yaml", ov)
-    yield root, ov
-    os.environ.pop("MLFLOW_TRACKING_URI")
+    with sft_ready(root, ITERATIONS) as ov:
+        yield root, ov
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from components.models.loading import load_model
 from components.tracking import checkpoints
-from tests.flows.conftest import small_overrides
+from tests.flows.conftest import sft_ready
 
 pytestmark = pytest.mark.slow
 
@@ -19,22 +19,14 @@ ITERATIONS = 4
 
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory, prefect_harness, ray_local):
-    import os
-
-    root = tmp_path_factory.mktemp("e2e")
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlruns.db"
-    from flows.data import data_flow
     from flows.evaluate import evaluate_flow
-    from flows.sft import sft_flow
     from flows.train import train_flow
 
-    ov = small_overrides(root, ITERATIONS)
-    data_flow("configs/arith_grpo.yaml", ov)
-    sft_flow("configs/arith_grpo.yaml", ov)
-    info = train_flow("configs/arith_grpo.yaml", ov, "e2e-test", "0.0.1")
-    results = evaluate_flow("configs/arith_grpo.yaml", ov, str(root / "metrics" / "eval.json"))
-    yield root, info, results
-    os.environ.pop("MLFLOW_TRACKING_URI")
+    root = tmp_path_factory.mktemp("e2e")
+    with sft_ready(root, ITERATIONS) as ov:
+        info = train_flow("configs/arith_grpo.yaml", ov, "e2e-test", "0.0.1")
+        results = evaluate_flow("configs/arith_grpo.yaml", ov, str(root / "metrics" / "eval.json"))
+        yield root, info, results
 
 
 def test_every_parameter_changed(pipeline_run):

@@ -32,18 +32,22 @@ def test_save_verify_latest_and_prune(tmp_path, tokenizer):
     assert state["iteration"] == 3 and state["sampler"]["cursor"] == 3 and opt is None
 
 
+def damage_file(target, how: str) -> None:
+    """Flip one bit in the middle, cut the file in half, or remove it."""
+    data = bytearray(target.read_bytes())
+    if how == "flip":
+        data[len(data) // 2] ^= 0x01
+        target.write_bytes(bytes(data))
+    elif how == "truncate":
+        target.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        target.unlink()
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
 def test_corruption_is_detected(tmp_path, tokenizer, damage):
     path, _ = write(tmp_path, 1, tokenizer)
-    target = path / "model" / "model.safetensors"
-    data = bytearray(target.read_bytes())
-    if damage == "flip":
-        data[len(data) // 2] ^= 0xFF
-        target.write_bytes(bytes(data))
-    elif damage == "truncate":
-        target.write_bytes(bytes(data[:100]))
-    else:
-        target.unlink()
+    damage_file(path / "model" / "model.safetensors", damage)
     with pytest.raises(CheckpointError, match="model.safetensors"):
         checkpoints.latest(tmp_path)
 
@@ -117,17 +121,12 @@ def test_save_killed_midway_keeps_previous_and_resume_cleans_up(tmp_path, tokeni
 def test_resume_falls_back_to_the_last_good_checkpoint(tmp_path, tokenizer, damage):
     good, _ = write(tmp_path, 1, tokenizer, keep=None)
     bad, _ = write(tmp_path, 2, tokenizer, keep=None)
-    target = bad / "model" / "model.safetensors"
-    data = bytearray(target.read_bytes())
-    if damage == "flip":
-        data[len(data) // 3] ^= 0x01
-        target.write_bytes(bytes(data))
-    elif damage == "truncate":
-        target.write_bytes(bytes(data[: len(data) // 2]))
-    else:
+    if damage == "pointer":
         import shutil
 
         shutil.rmtree(bad)  # `latest` now names a directory that is gone
+    else:
+        damage_file(bad / "model" / "model.safetensors", damage)
     ckpt, passed_over = checkpoints.find_resumable(tmp_path)
     assert ckpt == good
     assert passed_over and ("sha256" in passed_over[0] or "does not exist" in passed_over[0])

@@ -5,6 +5,7 @@ import torch
 from components.algorithms.losses import PolicyLossParams
 from components.batch import Batch
 from components.training.actor import PolicyTrainer, UpdateSettings
+from components.training.loop import LoopSettings
 from tests.conftest import make_model
 
 
@@ -28,8 +29,8 @@ def trained_params(tokenizer, micro, mini=None, epochs=1, beta=0.0):
     ref = make_model(tokenizer) if beta else None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    s = UpdateSettings(ppo_epochs=epochs, mini_batch_size=mini, micro_batch_size=micro, beta=beta,
-                       loss=PolicyLossParams(agg_mode="token-mean"), grad_clip=1e9)
+    s = UpdateSettings(LoopSettings(ppo_epochs=epochs, mini_batch_size=mini, micro_batch_size=micro, grad_clip=1e9),
+                       beta=beta, loss=PolicyLossParams(agg_mode="token-mean"))
     trainer = PolicyTrainer(model, ref, opt, sched, s)
     metrics = trainer.update(synthetic_batch(tokenizer))
     return {k: v.detach().clone() for k, v in model.named_parameters()}, metrics
