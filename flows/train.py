@@ -30,7 +30,7 @@ from tasks.common import is_transient, logger
 from tasks.rl import compute_advantages, evaluate_policy, generate_rollouts, prepare_batch, score_rewards, \
     start_workers, sync_weights, update_critic, update_policy
 from tasks.tracking import checkpoint_metrics, finalize, find_checkpoint, log_metrics, restore_checkpoint, \
-    save_checkpoint, start_run
+    run_fingerprint, save_checkpoint, start_run
 
 
 def _timed(timings: dict, name: str, fn, *args):
@@ -53,9 +53,10 @@ def _collect_batch(timings, workers, sampler, train_rows, tokenizer, cfg, it, ve
     if not resolve(cfg.algorithm).dynamic_sampling:
         return batch, metrics
     kept, rounds = [informative_rows(batch)], 1
-    while group_counts(concat_rounds(kept).tensors["group_ids"]) < cfg.data.batch_size \
-            and rounds < cfg.algorithm.max_num_gen_batches:
+    groups = group_counts(kept[0].tensors["group_ids"])  # rounds never share a group: their counts add up
+    while groups < cfg.data.batch_size and rounds < cfg.algorithm.max_num_gen_batches:
         kept.append(informative_rows(one_round(rounds)[0]))
+        groups += group_counts(kept[-1].tensors["group_ids"])
         rounds += 1
     filtered = first_groups(concat_rounds(kept), cfg.data.batch_size)
     groups = group_counts(filtered.tensors["group_ids"])
@@ -88,7 +89,8 @@ def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | N
     train_rows, eval_rows = load_datasets(cfg)
     run_name = f"{pipeline or 'train'}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     tokenizer = load_tokenizer(cfg.actor.model.path)
-    ckpt, state = find_checkpoint(cfg)
+    fingerprint = run_fingerprint(cfg)  # config + training data: what a checkpoint must match to be resumed
+    ckpt, state = find_checkpoint(cfg, fingerprint)
     tracker = start_run(cfg, pipeline, pipeline_version, run_name, state.get("mlflow_run_id"))
     sampler = PromptSampler(len(train_rows), cfg.data.batch_size, cfg.data.shuffle, t.seed)
     algo, a = resolve(cfg.algorithm), cfg.algorithm
@@ -130,7 +132,7 @@ def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | N
                     log_metrics(tracker, metrics, it)  # before the checkpoint: a crash between the two re-runs
                     if it % t.save_interval == 0 or it == t.iterations:  # `it`, whose metrics are not re-logged
                         ckpt, state = save_checkpoint(workers, tracker, cfg, it, {
-                            "sampler": sampler.state_dict(), "weights_version": version,
+                            "sampler": sampler.state_dict(), "weights_version": version, "fingerprint": fingerprint,
                             **({"kl_ctrl": kl_ctrl.state_dict()} if kl_ctrl is not None else {})})
                         log_metrics(tracker, checkpoint_metrics(state), it)
                         metrics.update(checkpoint_metrics(state))

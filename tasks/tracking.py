@@ -23,18 +23,17 @@ def run_fingerprint(cfg: Config) -> str:
 
 
 @task(name="find-checkpoint", **STAGE)
-def find_checkpoint(cfg: Config, mode: str | None = None) -> tuple[str | None, dict]:
+def find_checkpoint(cfg: Config, fingerprint: str) -> tuple[str | None, dict]:
     """The checkpoint trainer.resume_mode asks for (verified) and its state.json; (None, {}) to start fresh.
 
     auto: the newest checkpoint under trainer.output_dir that verifies and was made with this config; a
     corrupted one is passed over (and named in the log) for the last good one. A path: that checkpoint,
     or CheckpointError naming the bad file."""
-    mode = mode or cfg.trainer.resume_mode
+    mode = cfg.trainer.resume_mode
     if mode == "disable":
         return None, {}
     if mode == "auto":
-        ckpt, skipped = checkpoints.find_resumable(Path(cfg.trainer.output_dir) / "checkpoints",
-                                                   run_fingerprint(cfg))
+        ckpt, skipped = checkpoints.find_resumable(Path(cfg.trainer.output_dir) / "checkpoints", fingerprint)
         for reason in skipped:
             logger().warning("resume: passed over a checkpoint: %s", reason)
     else:
@@ -67,12 +66,12 @@ def log_metrics(tracker: Tracker, metrics: dict[str, float], step: int) -> bool:
 @task(name="save-checkpoint", **STAGE)
 def save_checkpoint(workers: Workers, tracker: Tracker, cfg: Config, iteration: int, state: dict) -> tuple[str, dict]:
     """Atomic checkpoint (the policy worker's model, optimizer, scheduler, RNG and critic; the driver's
-    `state`: sampler position, weights version, controller) logged to MLflow as an artifact. Returns its
+    `state`: sampler position, weights version, controller, run fingerprint) logged to MLflow as an artifact. Returns its
     directory and its state.json (checkpoint_metrics reads the save's timing from it)."""
     path = checkpoints.save_checkpoint(
         Path(cfg.trainer.output_dir) / "checkpoints", iteration,
         lambda out: workers.call("policy", "write_checkpoint", str(out), cfg.trainer.save_optimizer),
-        {**state, "mlflow_run_id": tracker.run_id, "seed": cfg.trainer.seed, "fingerprint": run_fingerprint(cfg)},
+        {**state, "mlflow_run_id": tracker.run_id, "seed": cfg.trainer.seed},
         keep=cfg.trainer.max_checkpoints_to_keep)
     tracker.log_artifacts(path, f"checkpoints/{path.name}")
     return str(path), json.loads((path / "state.json").read_text())

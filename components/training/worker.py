@@ -44,8 +44,8 @@ def update_settings(cfg: Config) -> UpdateSettings:
 def rng_state() -> dict:
     """Python's and numpy's global RNG states as JSON (torch's goes to safetensors)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-            "numpy": [kind, keys.tolist(), pos, has_gauss, gauss]}
+    version, internal, py_gauss = random.getstate()
+    return {"python": [version, list(internal), py_gauss], "numpy": [kind, keys.tolist(), pos, has_gauss, gauss]}
 
 
 def set_rng_state(state: dict) -> None:
@@ -113,16 +113,20 @@ class PolicyWorker:
     def save_model(self, out: str) -> str:
         return str(save_pretrained(self.model, self.tokenizer, out))
 
+    def _trained_parts(self) -> list[tuple[str, "PolicyTrainer | CriticTrainer", str]]:
+        """(name, trainer, optimizer file) of each part with an optimizer: the actor, and the critic if any."""
+        parts = [("actor", self.trainer, "optimizer")]
+        return parts + ([("critic", self.critic, "critic_optimizer")] if self.critic is not None else [])
+
     def write_checkpoint(self, out: str, with_optimizer: bool = True) -> None:
         """This worker's part of a checkpoint, into the (temporary) directory `out`: the model (HF format),
         optimizer and scheduler state, RNG states, step counters and weights version, and the critic."""
         out = Path(out)
         self.save_model(str(out / "model"))
         tensors, state = {"rng.torch": torch.get_rng_state()}, {"version": self.version, "rng": rng_state()}
-        parts = [("actor", self.trainer)] + ([("critic", self.critic)] if self.critic is not None else [])
-        for name, part in parts:
+        for name, part, opt_file in self._trained_parts():
             if with_optimizer:
-                save_optimizer(out, "optimizer" if name == "actor" else f"{name}_optimizer", part.optimizer.state_dict())
+                save_optimizer(out, opt_file, part.optimizer.state_dict())
             state[name] = {"steps": part.steps, "scheduler": part.scheduler.state_dict()}
         if self.critic is not None:
             save_file({k: v.detach().contiguous() for k, v in self.critic.model.state_dict().items()},
@@ -137,9 +141,8 @@ class PolicyWorker:
         loaded = load_model(ckpt / "model", self.cfg.actor.model.dtype, self.cfg.actor.model.attention_implementation,
                             key=f"checkpoint {ckpt}", safetensors_only=True)
         self.model.load_state_dict(loaded.state_dict())
-        parts = [("actor", self.trainer)] + ([("critic", self.critic)] if self.critic is not None else [])
-        for name, part in parts:
-            opt = load_optimizer(ckpt, "optimizer" if name == "actor" else f"{name}_optimizer")
+        for name, part, opt_file in self._trained_parts():
+            opt = load_optimizer(ckpt, opt_file)
             if opt is None:
                 raise CheckpointError(f"{ckpt} has no {name} optimizer state (saved with trainer.save_optimizer="
                                       "false), so a resume would not be exact. Start fresh with "
