@@ -19,7 +19,7 @@ def data_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | No
     if "prepare" in steps:
         out["raw"] = prepare_data(cfg)
     if "clean" in steps:
-        out["clean"] = [r.__dict__ for r in clean_data(cfg)]
+        out["clean"] = clean_data(cfg)
     return out
 
 

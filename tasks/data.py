@@ -5,16 +5,35 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import task
+
+from tasks.caching import StageCache, cached_stage
 from tasks.common import logger
 
 from components.config import Config
-from components.data.clean import CleanReport, clean_file
+from dataclasses import asdict
+
+from components.data.clean import clean_file
 from components.data.formats import ROW_SCHEMA, arithmetic_rows, gsm8k_rows
 from components.data.io import to_plain, write_parquet
 from components.models.tiny import build_char_tokenizer
 
 
-@task(name="prepare-data", timeout_seconds=600)
+def _raw_files(inputs: dict) -> list[str]:
+    raw = Path(inputs["cfg"].data.raw_dir)
+    return [str(raw / "train.parquet"), str(raw / "test.parquet")]
+
+
+def _clean_outputs(inputs: dict) -> list[str]:
+    d = inputs["cfg"].data
+    return [d.train_path, d.eval_path]
+
+
+PREPARE_CACHE = StageCache(config_keys=("data", "trainer.seed"), reads=lambda i: [p for p in [i["cfg"].data.gsm8k_path] if p],
+                           writes=_raw_files)
+CLEAN_CACHE = StageCache(config_keys=("data", "sft.base_model"), reads=_raw_files, writes=_clean_outputs)
+
+
+@task(name="prepare-data", timeout_seconds=600, **cached_stage(PREPARE_CACHE))
 def prepare_data(cfg: Config) -> list[str]:
     """Write data.raw_dir/{train,test}.parquet: the arithmetic task, or an import of data.gsm8k_path."""
     d = cfg.data
@@ -38,8 +57,8 @@ def _token_counter(cfg: Config):
     return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
 
 
-@task(name="clean-data", timeout_seconds=600)
-def clean_data(cfg: Config) -> list[CleanReport]:
+@task(name="clean-data", timeout_seconds=600, **cached_stage(CLEAN_CACHE))
+def clean_data(cfg: Config) -> list[dict]:
     """Validate raw rows; write clean files and quarantine files (with reasons); log the counts."""
     d = cfg.data
     count = _token_counter(cfg)
@@ -49,7 +68,7 @@ def clean_data(cfg: Config) -> list[CleanReport]:
         r = clean_file(src, dst, d.quarantine_dir, count, d.max_prompt_len)
         logger().info("%s: %d rows in, %d kept, %d quarantined %s -> %s", src, r.input_rows, r.kept,
                               r.quarantined, r.reasons or "", r.quarantine_path)
-        reports.append(r)
+        reports.append(asdict(r))
     return reports
 
 

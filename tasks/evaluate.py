@@ -11,12 +11,17 @@ from components.data.io import read_rows, to_plain, write_json
 from components.rollout.worker import RolloutWorker
 from components.tracking.mlflow_tracker import Tracker
 from components.training.seeding import derive_seed
+from tasks.caching import StageCache, cached_stage
 from tasks.common import STAGE
 
 METRICS = ("math_acc",)  # --metric names: math_acc = rule-scored accuracy (greedy) plus mean@k / pass@k
 
 
-@task(name="evaluate-model", **STAGE)
+EVAL_CACHE = StageCache(config_keys=("engine", "actor.model", "reward_model", "trainer.seed", "trainer.eval_k", "trainer.eval_size"),
+                        reads=lambda i: [i["model_path"], i["eval_path"]])
+
+
+@task(name="evaluate-model", timeout_seconds=STAGE["timeout_seconds"], **cached_stage(EVAL_CACHE))
 def evaluate_model(model_path: str, eval_path: str, cfg: Config) -> dict[str, float]:
     """Greedy accuracy (`acc`) and sampled mean@k / pass@k of the model at `model_path`."""
     worker = RolloutWorker(model_path, cfg.engine.type, cfg.actor.model.dtype,

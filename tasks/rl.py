@@ -75,8 +75,7 @@ def update_policy(workers: Workers, batch: Batch) -> dict[str, float]:
 
 def push_weights(workers: Workers) -> int:
     """The policy's weights into the rollout engine through the object store; returns their version."""
-    weights, version = workers.policy.get_weights.options(num_returns=2).remote()
-    return workers.call("rollout", "update_weights", weights, version)
+    return workers.push_weights()
 
 
 def ensure_current(workers: Workers, version: int) -> None:

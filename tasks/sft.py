@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 from prefect import task
+
+from tasks.caching import StageCache, cached_stage
 from tasks.common import logger
 
 from components.config import Config
@@ -16,7 +18,13 @@ from components.training.seeding import seed_everything
 from components.training.sft import encode_examples, train_sft
 
 
-@task(name="sft", timeout_seconds=3600)
+SFT_CACHE = StageCache(config_keys=("sft", "actor.model.max_seq_len", "trainer.seed"),
+                       reads=lambda i: [i["cfg"].data.train_path] + ([i["cfg"].sft.base_model] if i["cfg"].sft.base_model
+                                                                     else []),
+                       writes=lambda i: [str(Path(i["cfg"].sft.output_dir) / "config.json")])
+
+
+@task(name="sft", timeout_seconds=3600, **cached_stage(SFT_CACHE))
 def run_sft(cfg: Config) -> str:
     seed_everything(cfg.trainer.seed)
     torch.set_num_threads(cfg.trainer.num_threads)

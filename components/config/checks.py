@@ -24,7 +24,8 @@ CONTAINED_PATHS = ("data.train_path", "data.eval_path", "data.raw_dir", "data.qu
                    "trainer.output_dir")
 
 
-def _get(cfg, dotted: str):
+def config_value(cfg, dotted: str):
+    """The value at a dotted key (`trainer.seed`) of a Config."""
     node = cfg
     for part in dotted.split("."):
         node = getattr(node, part)
@@ -37,13 +38,44 @@ def path_problems(cfg: "Config") -> list[str]:
     root = Path(cfg.trainer.run_dir).resolve()
     problems = []
     for key in CONTAINED_PATHS:
-        raw = _get(cfg, key)
+        raw = config_value(cfg, key)
         resolved = Path(raw).resolve()
         if resolved != root and root not in resolved.parents:
             how = "a symlink leads" if Path(raw).resolve() != Path(raw).absolute() and ".." not in Path(raw).parts \
                 else "it resolves"
             problems.append(f"{key}={raw}: {how} outside the run directory {root} (to {resolved}). Keep it "
                             "inside, or set trainer.run_dir to a directory that holds it.")
+    return problems
+
+
+def parallel_problems(cfg: "Config", responses: int) -> list[str]:
+    """Worker-group settings that cannot work, found before any actor starts."""
+    t, problems = cfg.trainer, []
+    n, dp = t.num_workers, t.data_parallel_size
+    if dp is not None and n % dp:
+        problems.append(f"trainer.data_parallel_size={dp} must divide trainer.num_workers={n} (each replica is "
+                        "sharded over num_workers / data_parallel_size workers); change one of them.")
+    if t.strategy == "ddp" and dp not in (None, n):
+        problems.append(f"trainer.data_parallel_size={dp}: ddp replicates the model on every worker, so it must "
+                        f"equal trainer.num_workers={n} (or be unset); use trainer.strategy=fsdp to shard.")
+    if t.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        problems.append("trainer.strategy=deepspeed: package `deepspeed` is not installed. Install it with "
+                        "`pip install 'reinforge[gpu]'`, or set trainer.strategy=fsdp (ships with torch).")
+    if cfg.actor.model.attention_implementation == "flash_attention_2" and \
+            importlib.util.find_spec("flash_attn") is None:
+        problems.append("actor.model.attention_implementation=flash_attention_2: package `flash_attn` is not "
+                        "installed (it needs a CUDA GPU). Install it with `pip install 'reinforge[gpu]'`, or use "
+                        "sdpa.")
+    mini = cfg.actor.ppo_mini_batch_size or responses
+    if n > 1 and mini % n:
+        problems.append(f"actor.ppo_mini_batch_size={mini}: each of the trainer.num_workers={n} workers takes an "
+                        "equal part of a mini-batch, so it must be a multiple of num_workers.")
+    budget = cfg.actor.ppo_max_token_len_per_worker
+    if budget is not None and budget < cfg.actor.model.max_seq_len:
+        problems.append(f"actor.ppo_max_token_len_per_worker={budget} is below actor.model.max_seq_len="
+                        f"{cfg.actor.model.max_seq_len}, so a long response would not fit a micro-batch; raise it.")
+    if t.min_workers > n:
+        problems.append(f"trainer.min_workers={t.min_workers} is above trainer.num_workers={n}; lower it.")
     return problems
 
 
@@ -70,6 +102,7 @@ def check_combinations(cfg: "Config") -> None:
     if responses % cfg.trainer.num_workers:
         problems.append(f"trainer.num_workers={cfg.trainer.num_workers}: data.batch_size x engine.n = {responses} "
                         "responses must split evenly across workers; change one of them.")
+    problems += parallel_problems(cfg, responses)
     mini = cfg.actor.ppo_mini_batch_size
     if mini is not None and responses % mini:
         problems.append(f"actor.ppo_mini_batch_size={mini} must divide data.batch_size x engine.n = {responses}.")

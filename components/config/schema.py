@@ -80,6 +80,9 @@ class ActorConfig(Section):
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     ppo_mini_batch_size: int | None = Field(None, ge=1, description="responses per optimizer step; None = all")
     ppo_micro_batch_size: int | None = Field(None, ge=1, description="responses per forward pass (grad accumulation)")
+    ppo_max_token_len_per_worker: int | None = Field(None, ge=1, description="pack micro-batches to this many "
+                                                     "padded tokens (rows sorted by length) instead of "
+                                                     "ppo_micro_batch_size rows; None = fixed count")
 
 
 class CriticConfig(Section):
@@ -149,7 +152,24 @@ class TrainerConfig(Section):
     output_dir: str = Field("checkpoints/grpo", description="checkpoints and the final model")
     run_dir: str = Field(".", description="every data and output path must resolve inside it ('.' = the working "
                                           "directory); model paths may point anywhere (read only)")
-    num_workers: int = Field(1, ge=1, description="policy workers (Ray actors)")
+    num_workers: int = Field(1, ge=1, description="policy workers (Ray actors, one torch.distributed group)")
+    strategy: Literal["ddp", "fsdp", "deepspeed"] = Field("ddp", description="how several workers share the update: "
+                                                          "ddp replicas, fsdp shards (FSDP2), deepspeed ZeRO")
+    data_parallel_size: int | None = Field(None, ge=1, description="model replicas; fsdp shards each over "
+                                           "num_workers / this (None: fsdp 1 = full sharding, ddp num_workers)")
+    zero_stage: Literal[1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage (trainer.strategy=deepspeed)")
+    worker_resources: dict[str, float] = Field({"CPU": 1.0}, description="Ray resources of each policy worker: "
+                                               "CPU, GPU, or a custom name such as NPU")
+    min_workers: int = Field(1, ge=1, description="a rebuilt group may shrink to this many workers when the "
+                                                  "cluster lost resources (the global batch is kept)")
+    grad_compression: Literal["auto", "none", "fp16", "powersgd"] = Field(
+        "auto", description="DDP gradient all-reduce: auto picks from the measured bandwidth")
+    compression_fp16_below_gbps: float = Field(2.0, gt=0, description="auto: fp16 gradients below this all-reduce "
+                                                                      "bandwidth (GB/s)")
+    compression_powersgd_below_gbps: float = Field(0.2, gt=0, description="auto: PowerSGD below this bandwidth "
+                                                                          "(GB/s)")
+    simulated_bandwidth_gbps: float | None = Field(None, gt=0, description="testing: hold the bandwidth measurement "
+                                                   "to this rate, as on a slow link (None = measure as is)")
     num_threads: int = Field(2, ge=1, description="torch threads per worker")
     experiment_name: str = Field("reinforge", description="MLflow experiment")
     eval_k: int = Field(4, ge=1, description="samples per prompt for mean@k / pass@k")
@@ -158,12 +178,21 @@ class TrainerConfig(Section):
 
 
 class MemoryOptimConfig(Section):
-    gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
+    gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in "
+                                                            "backward (Hugging Face gradient checkpointing)")
+    activation_checkpointing: bool = Field(False, description="the same recomputation, under FSDP's name; "
+                                                              "either key turns it on")
+    param_offload: bool = Field(False, description="fsdp/deepspeed: keep parameters in host memory between uses "
+                                                   "(changes nothing when the workers run on CPU)")
+    optimizer_offload: bool = Field(False, description="fsdp/deepspeed: optimizer state and step in host memory "
+                                                       "(changes nothing when the workers run on CPU)")
 
 
 class MixedPrecisionConfig(Section):
     enabled: bool = Field(False, description="autocast the update")
-    dtype: Literal["bf16", "fp16"] = Field("bf16", description="autocast dtype")
+    dtype: Literal["bf16", "fp16"] = Field("bf16", description="autocast dtype (fsdp: parameter dtype in compute)")
+    loss_scale: Literal["dynamic", "none"] = Field("dynamic", description="fp16: scale the loss (GradScaler) so "
+                                                                          "small gradients do not underflow")
 
 
 class Config(Section):

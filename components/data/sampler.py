@@ -37,3 +37,42 @@ class PromptSampler:
         if state["n_rows"] != self.n_rows:
             raise ValueError(f"sampler state is for {state['n_rows']} rows, the dataset has {self.n_rows}")
         self.epoch, self.cursor = state["epoch"], state["cursor"]
+
+
+def pack_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Row indices grouped so each group's padded size (rows x its longest row) stays within max_tokens:
+    rows sorted longest first, each group filled while the next row fits. A row longer than max_tokens
+    gets a group of its own. Groups come out longest first."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+class DynamicBatchSampler:
+    """Batches of dataset indices packed to a token budget instead of a fixed count (padding-aware: a
+    batch's cost is rows x its longest row). `dataset` is a sequence of token-id sequences, or of lengths.
+    Batch order is shuffled per epoch from (seed, epoch); call set_epoch(e) between epochs."""
+
+    def __init__(self, dataset, max_tokens: int, shuffle: bool = True, seed: int = 0):
+        self.lengths = [x if isinstance(x, int) else len(x) for x in dataset]
+        self.max_tokens, self.shuffle, self.seed, self.epoch = max_tokens, shuffle, seed, 0
+        self.batches = pack_by_tokens(self.lengths, max_tokens)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        order = range(len(self.batches))
+        if self.shuffle:
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, "dynamic_batches"))
+            order = torch.randperm(len(self.batches), generator=gen).tolist()
+        for i in order:
+            yield list(self.batches[i])

@@ -43,15 +43,17 @@ def load_model(path: str | Path, dtype: str = "float32", attn: str = "sdpa",
                                                 use_safetensors=True if safetensors_only else None)
 
 
-def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: str | Path) -> Path:
+def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: str | Path,
+                    state_dict: dict | None = None) -> Path:
     """Save model (safetensors) and tokenizer in Hugging Face format, atomically: into a temporary sibling
-    directory that replaces `out` only once complete, so a crash never leaves a half-written model."""
+    directory that replaces `out` only once complete, so a crash never leaves a half-written model.
+    `state_dict` (the whole model, gathered from sharded workers) is written instead of the model's own."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp_{out.name}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)

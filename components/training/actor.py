@@ -14,7 +14,8 @@ from transformers import PreTrainedModel
 from components.algorithms.losses import POLICY_LOSSES, AggParams, PolicyLossParams, agg_loss, kl_penalty
 from components.batch import Batch
 from components.training.logprobs import response_logprobs
-from components.training.loop import LoopSettings, micro_batches, minibatch_update
+from components.training.distributed import Comm
+from components.training.loop import LoopSettings, minibatch_update, row_chunks
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,10 @@ class PolicyTrainer:
     """Owns the policy, its optimizer and the frozen reference; `update(batch)` runs one RL update."""
 
     def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel | None, optimizer, scheduler,
-                 settings: UpdateSettings):
+                 settings: UpdateSettings, comm: Comm | None = None, scaler: torch.amp.GradScaler | None = None):
         self.model, self.ref_model = model, ref_model
         self.optimizer, self.scheduler, self.s = optimizer, scheduler, settings
+        self.comm, self.scaler = comm or Comm(), scaler
         self.steps = 0
 
     def _logprobs(self, model, b: Batch, entropy: bool = False):
@@ -58,7 +60,7 @@ class PolicyTrainer:
         """Log-probs (N, R) of the responses under the current policy or the frozen reference."""
         model = self.ref_model if reference else self.model
         model.eval()
-        return torch.cat([self._logprobs(model, p)[0] for p in micro_batches(batch, self.s.loop.micro_batch_size)])
+        return torch.cat([self._logprobs(model, p)[0] for p in row_chunks(batch, self.s.loop.micro_batch_size)])
 
     def prepare(self, batch: Batch, need_old: bool = False) -> Batch:
         """Add what the update needs and the batch lacks: old (behaviour) log-probs when off-policy or asked,
@@ -92,7 +94,7 @@ class PolicyTrainer:
         batch = self.prepare(batch)
         self.model.train()
         metrics = minibatch_update(batch, self.model, self.optimizer, self.scheduler, self.s.loop, self.steps,
-                                   self._micro_loss, "actor")
+                                   self._micro_loss, "actor", self.comm, self.scaler)
         if self.s.beta > 0:
             metrics["actor/kl_coef"] = self.s.beta
         self.steps += 1

@@ -9,7 +9,8 @@ from transformers import PreTrainedModel
 from components.algorithms.losses import AggParams, value_loss
 from components.batch import Batch
 from components.training.logprobs import sequence_inputs
-from components.training.loop import LoopSettings, micro_batches, minibatch_update
+from components.training.distributed import Comm
+from components.training.loop import LoopSettings, minibatch_update, row_chunks
 
 
 class ValueModel(torch.nn.Module):
@@ -37,8 +38,8 @@ class CriticTrainer:
     """Owns the value model and its optimizer. `values(batch)` before the advantages, `update(batch)` after."""
 
     def __init__(self, model: ValueModel, optimizer, scheduler, loop: LoopSettings, cliprange: float,
-                 agg_mode: str = "token-mean"):
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+                 agg_mode: str = "token-mean", comm: Comm | None = None):
+        self.model, self.optimizer, self.scheduler, self.comm = model, optimizer, scheduler, comm or Comm()
         self.loop, self.cliprange, self.agg_mode = loop, cliprange, agg_mode
         self.steps = 0
 
@@ -49,7 +50,7 @@ class CriticTrainer:
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:
         self.model.eval()
-        return torch.cat([self._forward(p) for p in micro_batches(batch, self.loop.micro_batch_size)])
+        return torch.cat([self._forward(p) for p in row_chunks(batch, self.loop.micro_batch_size)])
 
     def _micro_loss(self, mb: Batch, agg: AggParams):
         t = mb.tensors
@@ -61,7 +62,7 @@ class CriticTrainer:
         """Fit V to `returns` (needs values from before the update, returns, response_mask)."""
         self.model.train()
         metrics = minibatch_update(batch, self.model, self.optimizer, self.scheduler, self.loop, self.steps,
-                                   self._micro_loss, "critic")
+                                   self._micro_loss, "critic", self.comm)
         self.steps += 1
         self.model.eval()
         return metrics

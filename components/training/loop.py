@@ -1,8 +1,14 @@
 """The update loop the actor and the critic share: epochs over shuffled mini-batches, one optimizer step
 per mini-batch, gradients accumulated over micro-batches.
 
-Losses are aggregated with the counts of the whole mini-batch (AggParams), so accumulating micro-batch
-gradients gives the same step as one pass over the mini-batch.
+Losses are aggregated with the counts of the whole (global) mini-batch (AggParams), so accumulating
+micro-batch gradients gives the same step as one pass over the mini-batch, and N workers, each with 1/N of
+every mini-batch, the same step as one worker: the counts are summed over the workers, and each worker's
+loss is multiplied by N because DDP and FSDP average gradients.
+
+Micro-batches are either a fixed number of rows (`micro_batch_size`) or packed to a token budget
+(`max_tokens`: rows sorted by length, as many per micro-batch as fit); either way each is cut to its own
+longest prompt and response, so padding columns no row needs are never computed.
 """
 
 from __future__ import annotations
@@ -14,52 +20,113 @@ import torch
 
 from components.algorithms.losses import AggParams
 from components.batch import Batch
+from components.data.sampler import pack_by_tokens
+from components.training.distributed import Comm, gradient_sync
 
 # (micro-batch, counts of its mini-batch) -> (loss to backpropagate, additive metrics of 0-dim tensors)
 MicroLoss = Callable[[Batch, AggParams], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+# tensors aligned with the response tokens (N, R): cut with the responses
+TOKEN_KEYS = ("responses", "response_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs", "advantages",
+              "returns", "token_rewards", "values")
 
 
 @dataclass(frozen=True)
 class LoopSettings:
     ppo_epochs: int = 1
-    mini_batch_size: int | None = None  # None = the whole batch
-    micro_batch_size: int | None = None  # None = the whole mini-batch
+    mini_batch_size: int | None = None  # global rows per optimizer step; None = the whole batch
+    micro_batch_size: int | None = None  # rows per forward pass; None = the whole mini-batch
+    max_tokens: int | None = None  # pack micro-batches to this many padded tokens instead (per worker)
     grad_clip: float = 1.0
     norm_const: float = 1.0  # seq-mean-token-sum-norm constant (max response length)
     seed: int = 0
 
 
-def micro_batches(b: Batch, size: int | None) -> list[Batch]:
-    """Consecutive parts of at most `size` rows (None = one part)."""
-    size = size or len(b)
-    return b.chunk(max(1, -(-len(b) // size)))
+def row_lengths(b: Batch) -> torch.Tensor:
+    """Tokens of each row (prompt + response), padding excluded."""
+    t = b.tensors
+    return t["prompt_mask"].sum(1) + t["response_mask"].sum(1)
+
+
+def padded_tokens(b: Batch) -> int:
+    """Tokens a forward pass over `b` computes: rows x (prompt columns + response columns)."""
+    return len(b) * (b.tensors["prompts"].shape[1] + b.tensors["responses"].shape[1])
+
+
+def trim_padding(b: Batch) -> Batch:
+    """Drop prompt columns no row uses (left padding) and response columns past the longest response."""
+    t = b.tensors
+    p_used = t["prompt_mask"].any(0).nonzero()
+    r_used = t["response_mask"].any(0).nonzero()
+    p0 = int(p_used[0]) if len(p_used) else t["prompts"].shape[1] - 1
+    r1 = int(r_used[-1]) + 1 if len(r_used) else 1
+    cut = {k: v[:, p0:] for k, v in t.items() if k in ("prompts", "prompt_mask")}
+    cut |= {k: v[:, :r1] for k, v in t.items() if k in TOKEN_KEYS and v.dim() >= 2}
+    return b.union(**cut)
+
+
+def row_chunks(b: Batch, size: int | None) -> list[Batch]:
+    """Consecutive parts of at most `size` rows (None = one part), padding kept (for outputs of shape (N, R))."""
+    return b.chunk(max(1, -(-len(b) // (size or len(b)))))
+
+
+def micro_batches(b: Batch, size: int | None, max_tokens: int | None = None) -> list[Batch]:
+    """Micro-batches of `b`: packed to `max_tokens` when set, else consecutive parts of at most `size` rows
+    (None = one part); each cut to its own padding."""
+    if max_tokens:
+        lengths = (b.tensors["prompts"].shape[1] + b.tensors["response_mask"].sum(1)).tolist()
+        return [trim_padding(b.select(idx)) for idx in pack_by_tokens(lengths, max_tokens)]
+    return [trim_padding(p) for p in row_chunks(b, size)]
 
 
 def minibatch_update(batch: Batch, model: torch.nn.Module, optimizer, scheduler, s: LoopSettings, step: int,
-                     micro_loss: MicroLoss, prefix: str) -> dict[str, float]:
-    """Run s.ppo_epochs passes over `batch`; returns each metric averaged over optimizer steps, with
-    `{prefix}/grad_norm` (before clipping) and `{prefix}/lr`. The shuffle is seeded by (seed, step)."""
-    mini_size = s.mini_batch_size or len(batch)
+                     micro_loss: MicroLoss, prefix: str, comm: Comm | None = None,
+                     scaler: torch.amp.GradScaler | None = None) -> dict[str, float]:
+    """Run s.ppo_epochs passes over this worker's `batch`; returns each metric averaged over optimizer
+    steps (summed over workers), with `{prefix}/grad_norm` (before clipping) and `{prefix}/lr`. The shuffle
+    is seeded by (seed, step); every worker takes mini_batch_size / world_size rows per step."""
+    comm = comm or Comm()
+    mini_size = (s.mini_batch_size or len(batch) * comm.world_size) // comm.world_size
     gen = torch.Generator().manual_seed(s.seed + step)
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
-    n_steps = 0
+    grad_norms, lrs = [], []
     for _ in range(s.ppo_epochs):
         order = torch.randperm(len(batch), generator=gen) if mini_size < len(batch) else torch.arange(len(batch))
         for start in range(0, len(batch), mini_size):
             mini = batch.select(order[start:start + mini_size])
-            mask = mini.tensors["response_mask"]
-            agg = AggParams(float(mask.sum().clamp(min=1)), float(len(mini)), s.norm_const)
+            tokens, rows = comm.sum([float(mini.tensors["response_mask"].sum()), float(len(mini))])
+            agg = AggParams(max(tokens, 1.0), rows, s.norm_const)
+            parts = micro_batches(mini, s.micro_batch_size, s.max_tokens)
+            # every worker must run as many backward passes (each reduces gradients): pad with zero-weight ones
+            n_passes = comm.max(len(parts))
             optimizer.zero_grad(set_to_none=True)
-            for mb in micro_batches(mini, s.micro_batch_size):
-                loss, metrics = micro_loss(mb, agg)
-                loss.backward()
-                for k, v in metrics.items():  # every metric is additive across micro-batches
-                    sums[k] = sums.get(k, 0.0) + float(v)
+            for i in range(n_passes):
+                mb = parts[min(i, len(parts) - 1)]
+                with gradient_sync(model, i == n_passes - 1):
+                    loss, metrics = micro_loss(mb, agg)
+                    weight = comm.world_size if i < len(parts) else 0.0
+                    scaled = loss * weight
+                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                if i < len(parts):
+                    for k, v in metrics.items():  # every metric is additive across micro-batches and workers
+                        sums[k] = sums.get(k, 0.0) + float(v)
+            if scaler is not None:
+                scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
-            sums[f"{prefix}/grad_norm"] = sums.get(f"{prefix}/grad_norm", 0.0) + float(grad_norm)
-            sums[f"{prefix}/lr"] = sums.get(f"{prefix}/lr", 0.0) + scheduler.get_last_lr()[0]
-            optimizer.step()
+            grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+            lrs.append(scheduler.get_last_lr()[0])
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
             scheduler.step()
-            n_steps += 1
-    return {k: v / n_steps for k, v in sums.items()}
+    n_steps = len(grad_norms)
+    keys = sorted(sums)
+    totals = comm.sum([sums[k] for k in keys])
+    out = {k: v / n_steps for k, v in zip(keys, totals)}
+    out[f"{prefix}/grad_norm"] = sum(grad_norms) / n_steps
+    out[f"{prefix}/lr"] = sum(lrs) / n_steps
+    return out
+

@@ -7,9 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
+import torch
 
+from components.batch import Batch
 from components.config import Config
 from components.rollout.worker import RolloutWorker
+from components.training.distributed import GroupSpec
 from components.training.worker import PolicyWorker
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +28,9 @@ def ensure_ray() -> None:
         runtime_env["py_modules"] = [str(PROJECT_ROOT / "components")]
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, runtime_env=runtime_env,
+        # logical CPUs beyond the cores, so a few policy workers and the rollout worker fit on a small machine
+        # (each runs trainer.num_threads threads)
+        ray.init(num_cpus=max(8, os.cpu_count() or 2), include_dashboard=False, runtime_env=runtime_env,
                  log_to_driver=True, configure_logging=False)
 
 
@@ -49,48 +54,137 @@ def kill_tree(pid: int | None) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
+def balanced_shards(batch: Batch, n: int) -> list[list[int]]:
+    """Row indices for n workers: equal row counts, token counts (prompt + response) balanced greedily,
+    longest rows first, each to the worker with the fewest tokens so far that still has room."""
+    lengths = (batch.tensors["prompt_mask"].sum(1) + batch.tensors["response_mask"].sum(1)).tolist()
+    per = len(batch) // n
+    shards: list[list[int]] = [[] for _ in range(n)]
+    load = [0] * n
+    for i in sorted(range(len(batch)), key=lambda i: (-lengths[i], i)):
+        w = min((k for k in range(n) if len(shards[k]) < per), key=lambda k: (load[k], k))
+        shards[w].append(i)
+        load[w] += lengths[i]
+    return [sorted(s) for s in shards]
+
+
+def _concat_prepared(results: list, shards: list[list[int]]):
+    """prepare's (batch, timings) from every worker -> one batch in the original row order, slowest timings."""
+    batch = Batch.concat([r[0] for r in results])
+    order = torch.tensor([i for s in shards for i in s])
+    timings = {k: max(r[1][k] for r in results) for k in results[0][1]}
+    return batch.select(torch.argsort(order)), timings
+
+
+# policy methods whose first argument is the batch: each worker gets its shard (the rest go to every worker)
+SHARDED = {"prepare": _concat_prepared, "update": lambda results, _: results[0],
+           "update_critic": lambda results, _: results[0]}
+
+
 @dataclass
 class Workers:
-    """Handles of the actors a training run keeps across iterations, their pids and the stage timeout."""
+    """Handles of the actors a training run keeps across iterations, their pids and the stage timeout:
+    the policy workers (one process group, rank 0 first) and the rollout worker."""
 
-    policy: "ray.actor.ActorHandle"
+    policy: list
     rollout: "ray.actor.ActorHandle"
     timeout_s: float = 1200.0
-    pids: dict[str, int] = field(default_factory=dict)
+    pids: dict[str, list[int]] = field(default_factory=dict)
+
+    def _get(self, role: str, method: str, refs: list):
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            pids = self.pids.get(role, [])
+            for pid in pids:
+                kill_tree(pid)
+            raise StageTimeout(f"{role} worker: {method} did not finish within {self.timeout_s:g} s "
+                               f"(trainer.stage_timeout_s); its processes (pids {pids}) and every process they "
+                               "started were killed") from None
 
     def call(self, role: str, method: str, *args, **kwargs):
-        """`role`.`method`(*args) on its actor, waited for at most timeout_s. A call that hangs past it gets its
-        actor's whole process tree killed (Ray restarts a rollout actor; the flow rebuilds a dead policy actor
-        from the last checkpoint) and raises StageTimeout, so nothing is left running behind it."""
-        ref = getattr(getattr(self, role), method).remote(*args, **kwargs)
-        try:
-            return ray.get(ref, timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            pid = self.pids.get(role)
-            kill_tree(pid)
-            raise StageTimeout(f"{role} worker: {method} did not finish within {self.timeout_s:g} s "
-                               f"(trainer.stage_timeout_s); its process (pid {pid}) and every process it started "
-                               "were killed") from None
+        """`role`.`method`(*args) on its actor(s), waited for at most timeout_s. A call that hangs past it gets
+        its actors' whole process trees killed (Ray restarts a rollout actor; the flow rebuilds dead policy
+        workers from the last checkpoint) and raises StageTimeout, so nothing is left running behind it.
+        Policy calls go to every worker: a batch argument of prepare/update/update_critic is split into
+        token-balanced shards; the answer is rank 0's (prepare's: the shards joined in row order)."""
+        if role == "rollout":
+            return self._get(role, method, [getattr(self.rollout, method).remote(*args, **kwargs)])[0]
+        if method in SHARDED and len(self.policy) > 1:
+            shards = balanced_shards(args[0], len(self.policy))
+            refs = [getattr(a, method).remote(args[0].select(s), *args[1:], **kwargs)
+                    for a, s in zip(self.policy, shards)]
+            return SHARDED[method](self._get(role, method, refs), shards)
+        return self._get(role, method, [getattr(a, method).remote(*args, **kwargs) for a in self.policy])[0]
+
+    def push_weights(self) -> int:
+        """Rank 0's (gathered) weights into the rollout engine straight through the object store (never the
+        driver, never disk); every policy worker takes part in the gather. Returns the weights version."""
+        refs = [a.get_weights.options(num_returns=2).remote() for a in self.policy]
+        weights, version = refs[0]
+        done = self.rollout.update_weights.remote(weights, version)
+        return self._get("policy", "get_weights", [done] + [r[1] for r in refs[1:]])[0]
 
     def refresh_pid(self, role: str) -> None:
         """After Ray restarted an actor, its process is a new one."""
-        self.pids[role] = ray.get(getattr(self, role).pid.remote())
+        self.pids[role] = [ray.get(self.rollout.pid.remote())] if role == "rollout" else \
+            ray.get([a.pid.remote() for a in self.policy])
+
+
+def workers_that_fit(cfg: Config) -> int:
+    """trainer.num_workers, or fewer when the cluster no longer has the resources for them (a node lost):
+    the largest count that fits and still splits the batch and mini-batches evenly. Error below
+    trainer.min_workers."""
+    t = cfg.trainer
+    need = {k: v for k, v in t.worker_resources.items() if v > 0}
+    total = ray.cluster_resources()
+    fits = min([int((total.get(k, 0.0) - (1.0 if k == "CPU" else 0.0)) // v) for k, v in need.items()] or [t.num_workers])
+    responses = cfg.data.batch_size * cfg.engine.n
+    mini = cfg.actor.ppo_mini_batch_size or responses
+    n = next((k for k in range(min(t.num_workers, fits), 0, -1) if responses % k == 0 and mini % k == 0), 0)
+    if n < t.min_workers:
+        raise RuntimeError(f"the Ray cluster has room for {max(fits, 0)} policy workers of {need} "
+                           f"(trainer.worker_resources), fewer than trainer.min_workers={t.min_workers}. Add nodes, "
+                           "or lower trainer.num_workers / trainer.min_workers.")
+    return n
+
+
+def start_policy_group(cfg: Config, n: int) -> tuple[list, list[int]]:
+    """n PolicyWorker actors spread over the cluster, joined into one process group (rank 0's address)."""
+    res = dict(cfg.trainer.worker_resources)
+    num_cpus, num_gpus = res.pop("CPU", 0.0), res.pop("GPU", 0.0)
+    cls = ray.remote(max_restarts=0)(PolicyWorker)
+    actors = [cls.options(num_cpus=num_cpus, num_gpus=num_gpus, resources=res or None,
+                          scheduling_strategy="SPREAD").remote(cfg.model_dump()) for _ in range(n)]
+    addr, port = ray.get(actors[0].address.remote())
+    backend = "nccl" if num_gpus else "gloo"
+    specs = [GroupSpec(rank, n, addr, port, backend) for rank in range(n)]
+    pids = ray.get([a.setup.remote(spec) for a, spec in zip(actors, specs)])  # surface start-up errors here
+    return actors, pids
 
 
 def start_workers(cfg: Config) -> Workers:
     ensure_ray()
     m = cfg.actor.model
-    policy = ray.remote(num_cpus=1, max_restarts=0)(PolicyWorker).remote(cfg.model_dump())
-    # the rollout actor is stateless but for its weights (pushed again after a restart); the policy actor is
-    # not restarted by Ray: the flow rebuilds it from the last checkpoint
+    n = workers_that_fit(cfg)
+    if n != cfg.trainer.num_workers:
+        import logging
+
+        logging.getLogger("reinforge").warning("starting %d policy workers instead of trainer.num_workers=%d: the "
+                                               "cluster has no room for more (the global batch is kept)", n,
+                                               cfg.trainer.num_workers)
+    # the policy workers are not restarted by Ray: the flow rebuilds the group from the last checkpoint; the
+    # rollout actor is stateless but for its weights (pushed again after a restart)
+    policy, policy_pids = start_policy_group(cfg, n)
     rollout = ray.remote(num_cpus=1, max_restarts=3)(RolloutWorker).remote(
         m.path, cfg.engine.type, m.dtype, m.attention_implementation, cfg.trainer.num_threads)
-    pids = ray.get([policy.pid.remote(), rollout.pid.remote()])  # surface start-up errors here
-    return Workers(policy, rollout, float(cfg.trainer.stage_timeout_s), {"policy": pids[0], "rollout": pids[1]})
+    rollout_pid = ray.get(rollout.pid.remote())
+    return Workers(policy, rollout, float(cfg.trainer.stage_timeout_s), {"policy": policy_pids,
+                                                                          "rollout": [rollout_pid]})
 
 
 def stop_workers(workers: Workers) -> None:
-    for actor in (workers.policy, workers.rollout):
+    for actor in [*workers.policy, workers.rollout]:
         try:
             ray.kill(actor, no_restart=True)
         except ValueError:  # not an actor handle any more: nothing to kill
@@ -98,7 +192,8 @@ def stop_workers(workers: Workers) -> None:
 
 
 def rebuild_workers(workers: Workers, cfg: Config) -> Workers:
-    """Kill what is left of a worker group and start a fresh one (the caller restores its state)."""
+    """Kill what is left of a worker group and start a fresh one, with fewer workers if resources are gone
+    (the caller restores its state from the last checkpoint)."""
     stop_workers(workers)
     return start_workers(cfg)
 

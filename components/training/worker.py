@@ -19,6 +19,7 @@ from components.config.schema import Config
 from components.errors import CheckpointError
 from components.models.loading import load_model, load_tokenizer, save_pretrained
 from components.tracking.checkpoints import load_optimizer, save_optimizer
+from components.training import distributed as D
 from components.training.actor import PolicyTrainer, UpdateSettings
 from components.training.critic import CriticTrainer, ValueModel
 from components.training.loop import LoopSettings
@@ -26,11 +27,31 @@ from components.training.optim import make_optimizer
 from components.training.seeding import seed_everything
 
 
-def update_settings(cfg: Config) -> UpdateSettings:
+MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+COMPRESSION_CODES = {"none": 0, "fp16": 1, "powersgd": 2}  # perf/grad_compression (MLflow metrics are numbers)
+
+
+def sharded_precision(cfg: Config, world_size: int) -> bool:
+    """Mixed precision done by FSDP's parameter dtype rather than by autocast."""
+    return cfg.mixed_precision.enabled and cfg.trainer.strategy == "fsdp" and world_size > 1
+
+
+def parallel_settings(cfg: Config, world_size: int) -> D.ParallelSettings:
+    t, mem = cfg.trainer, cfg.memory_optim
+    dp = t.data_parallel_size or (1 if t.strategy == "fsdp" else world_size)
+    return D.ParallelSettings(
+        world_size=world_size, data_parallel_size=dp if world_size % dp == 0 else 1,
+        param_offload=mem.param_offload, optimizer_offload=mem.optimizer_offload,
+        mp_dtype=MP_DTYPES[cfg.mixed_precision.dtype] if sharded_precision(cfg, world_size) else None,
+        zero_stage=t.zero_stage, lr=cfg.actor.optimizer.lr)
+
+
+def update_settings(cfg: Config, world_size: int = 1) -> UpdateSettings:
     algo = resolve(cfg.algorithm)
     a = cfg.algorithm
     loop = LoopSettings(ppo_epochs=cfg.actor.ppo_epochs, mini_batch_size=cfg.actor.ppo_mini_batch_size,
-                        micro_batch_size=cfg.actor.ppo_micro_batch_size, grad_clip=cfg.actor.optimizer.grad_clip,
+                        micro_batch_size=cfg.actor.ppo_micro_batch_size,
+                        max_tokens=cfg.actor.ppo_max_token_len_per_worker, grad_clip=cfg.actor.optimizer.grad_clip,
                         norm_const=float(cfg.engine.max_new_tokens), seed=cfg.trainer.seed)
     return UpdateSettings(
         loop=loop, temperature=cfg.engine.temperature or 1.0,
@@ -38,7 +59,8 @@ def update_settings(cfg: Config) -> UpdateSettings:
         entropy_coeff=a.entropy_coeff, policy_loss=algo.policy_loss,
         loss=PolicyLossParams(clip_low=a.clip_epsilon, clip_high=algo.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
                               agg_mode=algo.loss_agg_mode),
-        autocast_dtype=cfg.mixed_precision.dtype if cfg.mixed_precision.enabled else None)
+        autocast_dtype=cfg.mixed_precision.dtype if cfg.mixed_precision.enabled and
+        not sharded_precision(cfg, world_size) else None)
 
 
 def rng_state() -> dict:
@@ -55,35 +77,78 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def make_critic(cfg: Config, settings: UpdateSettings) -> CriticTrainer:
-    m, c = cfg.actor.model, cfg.critic
-    key = "critic.model_path" if c.model_path else "actor.model.path"
-    model = ValueModel(load_model(c.model_path or m.path, m.dtype, m.attention_implementation, key))
-    opt, sched = make_optimizer(model.parameters(), c.optimizer)
-    return CriticTrainer(model, opt, sched, settings.loop, c.cliprange_value, "token-mean")
+def make_scaler(cfg: Config, model: torch.nn.Module) -> torch.amp.GradScaler | None:
+    """Dynamic loss scaling for fp16 (bf16 has fp32's range and needs none)."""
+    mp = cfg.mixed_precision
+    if not (mp.enabled and mp.dtype == "fp16" and mp.loss_scale == "dynamic"):
+        return None
+    return torch.amp.GradScaler(next(model.parameters()).device.type)
 
 
 class PolicyWorker:
+    """One policy worker: rank `spec.rank` of the group. The constructor only reads the config; setup()
+    joins the process group and builds the model (wrapped by trainer.strategy when there are several
+    workers), the reference, the critic and their optimizers."""
+
     def __init__(self, cfg_dict: dict):
-        cfg = Config.model_validate(cfg_dict)
-        torch.set_num_threads(cfg.trainer.num_threads)
-        seed_everything(cfg.trainer.seed)
+        self.cfg = Config.model_validate(cfg_dict)
+        torch.set_num_threads(self.cfg.trainer.num_threads)
+        seed_everything(self.cfg.trainer.seed)
+
+    def address(self) -> tuple[str, int]:
+        """This worker's node address and a free port on it (rank 0's are the group's rendezvous)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), D.free_port()
+
+    def setup(self, spec: D.GroupSpec) -> int:
+        cfg = self.cfg
+        D.join_group(spec)
+        self.rank, self.world_size, self.comm = spec.rank, spec.world_size, D.make_comm()
         m = cfg.actor.model
         algo = resolve(cfg.algorithm)
-        self.cfg = cfg
         self.tokenizer = load_tokenizer(m.path)
-        self.model = load_model(m.path, m.dtype, m.attention_implementation)
-        if cfg.memory_optim.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+        self.model = self._wrap(load_model(m.path, m.dtype, m.attention_implementation))
         ref = None
         if algo.needs_reference:
             ref = load_model(m.path, m.dtype, m.attention_implementation).eval().requires_grad_(False)
-        settings = update_settings(cfg)
+        settings = update_settings(cfg, spec.world_size)
         opt, sched = make_optimizer(self.model.parameters(), cfg.actor.optimizer)
-        self.trainer = PolicyTrainer(self.model, ref, opt, sched, settings)
-        self.critic = make_critic(cfg, settings) if algo.needs_critic else None
+        self.trainer = PolicyTrainer(self.model, ref, opt, sched, settings, self.comm, make_scaler(cfg, self.model))
+        self.critic = self._make_critic(settings) if algo.needs_critic else None
+        self.compression = self._compression()
         self.need_old = cfg.algorithm.use_kl_in_reward
         self.version = 0
+        return os.getpid()
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Recompute activations if asked, then the strategy's wrapper when there are several workers."""
+        mem = self.cfg.memory_optim
+        if mem.gradient_checkpointing or mem.activation_checkpointing:
+            inner = getattr(model, "backbone", model)
+            inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.world_size == 1:
+            return model
+        return D.STRATEGIES.get(self.cfg.trainer.strategy)(model, parallel_settings(self.cfg, self.world_size))
+
+    def _make_critic(self, settings: UpdateSettings) -> CriticTrainer:
+        m, c = self.cfg.actor.model, self.cfg.critic
+        key = "critic.model_path" if c.model_path else "actor.model.path"
+        model = self._wrap(ValueModel(load_model(c.model_path or m.path, m.dtype, m.attention_implementation, key)))
+        opt, sched = make_optimizer(model.parameters(), c.optimizer)
+        return CriticTrainer(model, opt, sched, settings.loop, c.cliprange_value, "token-mean", self.comm)
+
+    def _compression(self) -> D.CompressionChoice | None:
+        """DDP only: measure the all-reduce bandwidth once and install the gradient compression it calls for."""
+        t = self.cfg.trainer
+        if self.world_size == 1 or t.strategy != "ddp":
+            return None
+        gbps = D.measure_allreduce_gbps(cap_gbps=t.simulated_bandwidth_gbps)
+        choice = D.choose_compression(gbps, t.grad_compression, t.compression_fp16_below_gbps,
+                                      t.compression_powersgd_below_gbps)
+        for part in [self.model] + ([self.critic.model] if self.critic is not None else []):
+            D.register_compression(part, choice)
+        return choice
 
     def prepare(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """verl's old_log_prob / ref / values stages: what the advantages and updates need, computed once
@@ -104,33 +169,55 @@ class PolicyWorker:
     def update(self, batch: Batch) -> dict[str, float]:
         metrics = self.trainer.update(batch)
         self.version += 1
+        if self.compression is not None:
+            metrics["perf/grad_compression"] = COMPRESSION_CODES[self.compression.name]
+            metrics["perf/grad_compression_rank"] = self.compression.rank
+            metrics["perf/allreduce_gbps"] = self.compression.allreduce_gbps
         return metrics
 
     def get_weights(self) -> tuple[dict[str, torch.Tensor], int]:
-        """The current weights (detached CPU tensors) and their version."""
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}, self.version
+        """The current weights (detached CPU tensors, gathered from the shards on rank 0; {} on other ranks)
+        and their version. Every rank must be called."""
+        return D.full_model_state(self.model), self.version
 
     def save_model(self, out: str) -> str:
-        return str(save_pretrained(self.model, self.tokenizer, out))
+        """The policy in Hugging Face format (rank 0 writes it; every rank must be called)."""
+        state = D.full_model_state(self.model)
+        if self.rank == 0:
+            save_pretrained(D.unwrap(self.model), self.tokenizer, out, state_dict=state)
+        return out
 
     def _trained_parts(self) -> list[tuple[str, "PolicyTrainer | CriticTrainer", str]]:
         """(name, trainer, optimizer file) of each part with an optimizer: the actor, and the critic if any."""
         parts = [("actor", self.trainer, "optimizer")]
         return parts + ([("critic", self.critic, "critic_optimizer")] if self.critic is not None else [])
 
+    def _optimizer_state(self, part) -> dict:
+        if self.world_size == 1:
+            return part.optimizer.state_dict()
+        return D.full_optimizer_state(part.model, part.optimizer)
+
     def write_checkpoint(self, out: str, with_optimizer: bool = True) -> None:
-        """This worker's part of a checkpoint, into the (temporary) directory `out`: the model (HF format),
-        optimizer and scheduler state, RNG states, step counters and weights version, and the critic."""
+        """A checkpoint into the (temporary) directory `out`: rank 0 writes the model (HF format), the whole
+        optimizer and scheduler state (gathered from every worker, in one format whatever their number), step
+        counters, weights version, the critic and its RNG states; rank r > 0 its RNG states (rng_rank<r>.json:
+        with workers on several nodes, trainer.output_dir must be shared storage). Every rank must be called."""
         out = Path(out)
         self.save_model(str(out / "model"))
+        parts = [(name, part, opt_file, self._optimizer_state(part) if with_optimizer else None)
+                 for name, part, opt_file in self._trained_parts()]
+        critic = D.full_model_state(self.critic.model) if self.critic is not None else None
+        if self.rank > 0:
+            (out / f"rng_rank{self.rank}.json").write_text(json.dumps(
+                {"rng": rng_state(), "torch": torch.get_rng_state().tolist()}))
+            return
         tensors, state = {"rng.torch": torch.get_rng_state()}, {"version": self.version, "rng": rng_state()}
-        for name, part, opt_file in self._trained_parts():
-            if with_optimizer:
-                save_optimizer(out, opt_file, part.optimizer.state_dict())
+        for name, part, opt_file, opt_state in parts:
+            if opt_state is not None:
+                save_optimizer(out, opt_file, opt_state)
             state[name] = {"steps": part.steps, "scheduler": part.scheduler.state_dict()}
-        if self.critic is not None:
-            save_file({k: v.detach().contiguous() for k, v in self.critic.model.state_dict().items()},
-                      out / "critic.safetensors")
+        if critic is not None:
+            save_file({k: v.detach().contiguous() for k, v in critic.items()}, out / "critic.safetensors")
         save_file(tensors, out / "worker.safetensors")
         (out / "worker.json").write_text(json.dumps(state, sort_keys=True))
 
@@ -140,22 +227,37 @@ class PolicyWorker:
         state = json.loads((ckpt / "worker.json").read_text())
         loaded = load_model(ckpt / "model", self.cfg.actor.model.dtype, self.cfg.actor.model.attention_implementation,
                             key=f"checkpoint {ckpt}", safetensors_only=True)
-        self.model.load_state_dict(loaded.state_dict())
+        self._load_weights(self.model, loaded.state_dict())
         for name, part, opt_file in self._trained_parts():
             opt = load_optimizer(ckpt, opt_file)
             if opt is None:
                 raise CheckpointError(f"{ckpt} has no {name} optimizer state (saved with trainer.save_optimizer="
                                       "false), so a resume would not be exact. Start fresh with "
                                       "trainer.resume_mode=disable.")
-            part.optimizer.load_state_dict(opt)
+            if self.world_size == 1:
+                part.optimizer.load_state_dict(opt)
+            else:
+                D.load_full_optimizer_state(part.model, part.optimizer, opt)
             part.scheduler.load_state_dict(state[name]["scheduler"])
             part.steps = state[name]["steps"]
         if self.critic is not None:
-            self.critic.model.load_state_dict(load_file(ckpt / "critic.safetensors"))
-        torch.set_rng_state(load_file(ckpt / "worker.safetensors")["rng.torch"])
-        set_rng_state(state["rng"])
+            self._load_weights(self.critic.model, load_file(ckpt / "critic.safetensors"))
+        own = ckpt / f"rng_rank{self.rank}.json"
+        if self.rank == 0:
+            torch.set_rng_state(load_file(ckpt / "worker.safetensors")["rng.torch"])
+            set_rng_state(state["rng"])
+        elif own.is_file():  # saved with as many workers; a group of another size keeps its seeded state
+            rng = json.loads(own.read_text())
+            torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
+            set_rng_state(rng["rng"])
         self.version = state["version"]
         return self.version
+
+    def _load_weights(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        if self.world_size == 1:
+            model.load_state_dict(state)
+        else:
+            D.load_full_model_state(model, state)
 
     def pid(self) -> int:
         return os.getpid()

@@ -1,5 +1,6 @@
 """8. Two nightly runs started together: one trains, the other exits saying why. The one that trains is
-then SIGKILLed mid-training, and the next nightly resumes its run instead of starting over."""
+then SIGKILLed mid-training, and the next nightly resumes its run instead of starting over, taking the
+finished data stages from the persisted results (their bodies do not run again)."""
 
 from __future__ import annotations
 
@@ -39,9 +40,13 @@ def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path):
     winner.wait(60)
     killed_at = (ckpts / "latest").read_text().strip()
     run_id = json.loads((ckpts / killed_at / "state.json").read_text())["mlflow_run_id"]
+    data_files = [tmp_path / "raw" / "train.parquet", tmp_path / "clean" / "train.parquet"]
+    written = [f.stat().st_mtime_ns for f in data_files]
 
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(res.stdout[res.stdout.index("{"):])
     assert result["train"]["run_id"] == run_id  # the crashed run was continued, not started over
     assert (ckpts / "latest").read_text().strip() == "iter_000006"
+    # the finished data stages came back from Prefect's persisted results: their files were not rewritten
+    assert [f.stat().st_mtime_ns for f in data_files] == written

@@ -86,7 +86,7 @@ def test_a_hung_worker_call_is_stopped_at_its_timeout_with_no_process_left(tmp_p
 
     actor = ray.remote(num_cpus=0, max_restarts=0)(Hangs).remote()
     pid = ray.get(actor.pid.remote())
-    workers = Workers(policy=actor, rollout=actor, timeout_s=3, pids={"policy": pid, "rollout": pid})
+    workers = Workers(policy=[actor], rollout=actor, timeout_s=3, pids={"policy": [pid], "rollout": [pid]})
     start = time.time()
     with pytest.raises(StageTimeout, match=r"policy worker: work did not finish within 3 s .*were killed"):
         workers.call("policy", "work")

@@ -1,0 +1,281 @@
+"""Several policy workers as one torch.distributed process group: joining it, the collectives the update
+loop needs, what each `trainer.strategy` does to the model, full (rank-0) state dicts, and DDP's adaptive
+gradient compression.
+
+One worker needs none of this: `Comm()` is the single-process no-op and the model stays unwrapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from components.algorithms.registry import Registry
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What worker `rank` needs to join the group: rank 0's address and a free port on it."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    backend: str = "gloo"  # nccl on CUDA
+    timeout_s: float = 600.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def join_group(spec: GroupSpec) -> None:
+    """init_process_group over TCP (rank 0's address); a no-op for a group of one."""
+    if spec.world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(spec.backend, init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
+                                rank=spec.rank, world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))
+
+
+class Comm:
+    """The collectives of the update loop, for one process: every reduction is the identity."""
+
+    rank, world_size = 0, 1
+
+    def sum(self, values: list[float]) -> list[float]:
+        return values
+
+    def max(self, value: int) -> int:
+        return value
+
+    def min(self, value: float) -> float:
+        return value
+
+
+class DistComm(Comm):
+    """The same collectives over the default process group (float64 all-reduce)."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def _reduce(self, values: list[float], op) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    def sum(self, values: list[float]) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.SUM) if values else values
+
+    def max(self, value: int) -> int:
+        return int(self._reduce([float(value)], dist.ReduceOp.MAX)[0])
+
+    def min(self, value: float) -> float:
+        return self._reduce([value], dist.ReduceOp.MIN)[0]
+
+
+def make_comm() -> Comm:
+    return DistComm() if dist.is_initialized() and dist.get_world_size() > 1 else Comm()
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """What the strategies read from the config (components/training/worker.py builds it)."""
+
+    world_size: int = 1
+    data_parallel_size: int = 1  # fsdp: replicas (hybrid sharding when 1 < dp < world_size)
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    mp_dtype: torch.dtype | None = None  # fsdp's MixedPrecisionPolicy param dtype
+    zero_stage: int = 2
+    lr: float = 1e-4
+
+
+# strategy name -> (model, settings) -> wrapped model (built before its optimizer)
+STRATEGIES: Registry = Registry("strategy", "trainer.strategy")
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks of a Hugging Face causal LM (what FSDP shards one by one)."""
+    names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+@STRATEGIES.register("ddp")
+def wrap_ddp(model: torch.nn.Module, s: ParallelSettings) -> torch.nn.Module:
+    """Every worker holds the whole model; gradients are averaged by all-reduce in buckets."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = next(model.parameters()).device
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+@STRATEGIES.register("fsdp")
+def wrap_fsdp(model: torch.nn.Module, s: ParallelSettings) -> torch.nn.Module:
+    """FSDP2 (`fully_shard`): each decoder layer, then the root, sharded over the workers (full sharding), or
+    over groups of world_size / data_parallel_size workers replicated data_parallel_size times (hybrid)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    device = next(model.parameters()).device.type
+    if s.data_parallel_size > 1:
+        mesh = init_device_mesh(device, (s.data_parallel_size, s.world_size // s.data_parallel_size),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device, (s.world_size,))
+    kwargs: dict = {"mesh": mesh}
+    if s.mp_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=s.mp_dtype, reduce_dtype=torch.float32)
+    if s.param_offload or s.optimizer_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()  # parameters, gradients and optimizer state in host memory
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+@STRATEGIES.register("deepspeed")
+def wrap_deepspeed(model: torch.nn.Module, s: ParallelSettings) -> torch.nn.Module:
+    """DeepSpeed ZeRO (stage s.zero_stage); needs the `deepspeed` package (the gpu extra)."""
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise ImportError("trainer.strategy=deepspeed needs the deepspeed package: pip install 'reinforge[gpu]' "
+                          f"(or set trainer.strategy=fsdp, which ships with torch): {exc}") from None
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": s.zero_stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": s.lr}}}
+    if s.optimizer_offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if s.param_offload and s.zero_stage == 3:
+        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside a DDP / DeepSpeed wrapper (FSDP2 shards in place: the model itself)."""
+    return getattr(model, "module", model)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: torch.nn.Module, enabled: bool):
+    """Skip the gradient reduction of a micro-batch that is not the last of its mini-batch."""
+    if enabled:
+        yield
+    elif hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on rank 0 (CPU tensors), {} elsewhere; every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not dist.is_initialized():
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return get_model_state_dict(unwrap(model) if hasattr(model, "no_sync") else model,
+                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Every rank passes the whole state dict; each keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(unwrap(model) if hasattr(model, "no_sync") else model, state,
+                         options=StateDictOptions(full_state_dict=True))
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer) -> dict:
+    """The optimizer's whole state on rank 0 in torch's plain format (parameters numbered in order), so a
+    checkpoint is the same whatever the number of workers; {} on other ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(unwrap(model) if hasattr(model, "no_sync") else model, optimizer,
+                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not sd:
+        return {}
+    order = [name for group in sd["param_groups"] for name in group["params"]]
+    index = {name: i for i, name in enumerate(order)}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in sd["param_groups"]]
+    return {"state": {index[n]: v for n, v in sd["state"].items()}, "param_groups": groups}
+
+
+def load_full_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None:
+    """The inverse of full_optimizer_state: every rank passes the whole plain state; each keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    inner = unwrap(model) if hasattr(model, "no_sync") else model
+    names = [n for n, p in inner.named_parameters() if p.requires_grad]
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
+    sd = {"state": {names[int(i)]: v for i, v in state["state"].items()}, "param_groups": groups}
+    set_optimizer_state_dict(inner, optimizer, sd, options=StateDictOptions(full_state_dict=True))
+
+
+# ---- adaptive gradient compression (DDP communication hooks) ----
+
+@dataclass(frozen=True)
+class CompressionChoice:
+    name: str  # none | fp16 | powersgd
+    allreduce_gbps: float
+    rank: int = 0  # PowerSGD matrix rank
+
+
+def measure_allreduce_gbps(nbytes: int = 1 << 22, repeats: int = 3, cap_gbps: float | None = None) -> float:
+    """Bandwidth of an all-reduce of `nbytes` (GB/s), the slowest rank's, agreed by every rank. cap_gbps
+    simulates a slower link: each all-reduce is held until it would have finished at that rate."""
+    buf = torch.ones(nbytes // 4)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        if cap_gbps:
+            time.sleep(max(0.0, nbytes / (cap_gbps * 1e9) - (time.perf_counter() - t0)))
+    gbps = nbytes * repeats / (time.perf_counter() - start) / 1e9
+    return DistComm().min(gbps)
+
+
+def choose_compression(gbps: float, mode: str, fp16_below_gbps: float, powersgd_below_gbps: float
+                       ) -> CompressionChoice:
+    """auto: none on a fast link, fp16 below fp16_below_gbps, PowerSGD below powersgd_below_gbps, its rank
+    (how much of the gradient survives) 4 just below that, 2 below half of it, 1 below a quarter; other modes
+    are taken as given (PowerSGD's rank still from the bandwidth)."""
+    if mode == "auto":
+        mode = "powersgd" if gbps < powersgd_below_gbps else "fp16" if gbps < fp16_below_gbps else "none"
+    rank = 1 if gbps < powersgd_below_gbps / 4 else 2 if gbps < powersgd_below_gbps / 2 else 4
+    return CompressionChoice(mode, gbps, rank if mode == "powersgd" else 0)
+
+
+def _fp16_hook():
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    return None, fp16_compress_hook
+
+
+def _powersgd_hook(rank: int):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+                                        use_error_feedback=True, warm_start=True)
+    return state, powerSGD_hook.powerSGD_hook
+
+
+def register_compression(model: torch.nn.Module, choice: CompressionChoice) -> None:
+    """Install the chosen hook on a DDP model (`none` keeps DDP's own all-reduce)."""
+    if choice.name == "none" or not hasattr(model, "register_comm_hook"):
+        return
+    state, hook = _fp16_hook() if choice.name == "fp16" else _powersgd_hook(choice.rank)
+    model.register_comm_hook(state, hook)

