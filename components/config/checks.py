@@ -61,6 +61,11 @@ def parallel_problems(cfg: "Config", responses: int) -> list[str]:
     if t.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         problems.append("trainer.strategy=deepspeed: package `deepspeed` is not installed. Install it with "
                         "`pip install 'reinforge[gpu]'`, or set trainer.strategy=fsdp (ships with torch).")
+    if t.strategy == "deepspeed" and n > 1 and t.save_optimizer:
+        problems.append("trainer.strategy=deepspeed with trainer.save_optimizer=true: reinforge does not gather "
+                        "ZeRO-partitioned optimizer state into its checkpoints yet, so an exact resume is not "
+                        "possible. Set trainer.save_optimizer=false (a resume restarts the optimizer state), "
+                        "or use trainer.strategy=fsdp.")
     if cfg.actor.model.attention_implementation == "flash_attention_2" and \
             importlib.util.find_spec("flash_attn") is None:
         problems.append("actor.model.attention_implementation=flash_attention_2: package `flash_attn` is not "

@@ -111,7 +111,13 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 # Keys that do not change what an iteration computes: a checkpoint made under other values still resumes.
 RESUME_NEUTRAL = ("trainer.iterations", "trainer.resume_mode", "trainer.progress", "trainer.save_interval",
                   "trainer.test_interval", "trainer.eval_k", "trainer.eval_size", "trainer.experiment_name",
-                  "trainer.max_checkpoints_to_keep", "trainer.num_threads", "trainer.save_optimizer")
+                  "trainer.max_checkpoints_to_keep", "trainer.num_threads", "trainer.save_optimizer",
+                  # how the update is spread over workers: the same step (within rounding) and a checkpoint
+                  # format that does not depend on it, so a group rebuilt smaller resumes the run
+                  "trainer.num_workers", "trainer.strategy", "trainer.data_parallel_size", "trainer.zero_stage",
+                  "trainer.worker_resources", "trainer.min_workers", "trainer.grad_compression",
+                  "trainer.compression_fp16_below_gbps", "trainer.compression_powersgd_below_gbps",
+                  "trainer.simulated_bandwidth_gbps", "trainer.stage_timeout_s", "trainer.max_worker_rebuilds")
 
 
 def fingerprint(cfg: Config, **inputs: str) -> str:
@@ -120,7 +126,7 @@ def fingerprint(cfg: Config, **inputs: str) -> str:
     import hashlib
     import json
 
-    flat = {k: v for k, v in flatten(cfg).items() if k not in RESUME_NEUTRAL}
+    flat = {k: v for k, v in flatten(cfg).items() if not any(k == n or k.startswith(n + ".") for n in RESUME_NEUTRAL)}
     return hashlib.sha256(json.dumps([flat, inputs], sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -12,6 +12,7 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,13 @@ def free_port() -> int:
 
 
 def join_group(spec: GroupSpec) -> None:
-    """init_process_group over TCP (rank 0's address); a no-op for a group of one."""
+    """init_process_group over TCP (rank 0's address); a no-op for a group of one. Also sets the variables
+    torch's launcher would (DeepSpeed reads them); with GPUs Ray gives each actor its own device, index 0."""
+    import os
+
+    os.environ.update(RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size), MASTER_ADDR=spec.master_addr,
+                      MASTER_PORT=str(spec.master_port),
+                      LOCAL_RANK="0" if spec.backend == "nccl" else str(spec.rank))
     if spec.world_size > 1 and not dist.is_initialized():
         dist.init_process_group(spec.backend, init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
                                 rank=spec.rank, world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))
@@ -94,7 +101,8 @@ class ParallelSettings:
     optimizer_offload: bool = False
     mp_dtype: torch.dtype | None = None  # fsdp's MixedPrecisionPolicy param dtype
     zero_stage: int = 2
-    lr: float = 1e-4
+    grad_clip: float = 1.0  # deepspeed clips inside its step
+    optimizer: Callable | None = None  # params -> torch optimizer, for deepspeed to wrap (ours: actor.optimizer)
 
 
 # strategy name -> (model, settings) -> wrapped model (built before its optimizer)
@@ -141,19 +149,25 @@ def wrap_fsdp(model: torch.nn.Module, s: ParallelSettings) -> torch.nn.Module:
 
 @STRATEGIES.register("deepspeed")
 def wrap_deepspeed(model: torch.nn.Module, s: ParallelSettings) -> torch.nn.Module:
-    """DeepSpeed ZeRO (stage s.zero_stage); needs the `deepspeed` package (the gpu extra)."""
+    """DeepSpeed ZeRO (stage s.zero_stage) around the model and our optimizer (s.optimizer), whose state
+    it partitions; the engine steps at the accumulation boundaries we mark."""
     try:
         import deepspeed
     except ImportError as exc:
         raise ImportError("trainer.strategy=deepspeed needs the deepspeed package: pip install 'reinforge[gpu]' "
                           f"(or set trainer.strategy=fsdp, which ships with torch): {exc}") from None
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": s.zero_stage},
-              "optimizer": {"type": "AdamW", "params": {"lr": s.lr}}}
+    zero: dict = {"stage": s.zero_stage}
     if s.optimizer_offload:
-        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        zero["offload_optimizer"] = {"device": "cpu"}
     if s.param_offload and s.zero_stage == 3:
-        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        zero["offload_param"] = {"device": "cpu"}
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": zero,
+              "gradient_clipping": s.grad_clip, "zero_allow_untested_optimizer": True,
+              "wall_clock_breakdown": False}
+    if s.mp_dtype is not None:
+        config["bf16" if s.mp_dtype == torch.bfloat16 else "fp16"] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=s.optimizer, config=config,
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
     return engine
 
 
@@ -164,7 +178,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def gradient_sync(model: torch.nn.Module, enabled: bool):
-    """Skip the gradient reduction of a micro-batch that is not the last of its mini-batch."""
+    """Skip the gradient reduction of a micro-batch that is not the last of its mini-batch (wraps its
+    forward and backward)."""
     if enabled:
         yield
     elif hasattr(model, "no_sync"):  # DDP
@@ -180,12 +195,77 @@ def gradient_sync(model: torch.nn.Module, enabled: bool):
         yield
 
 
+class TorchStep:
+    """backward / clip / step with a torch optimizer (one process, DDP or FSDP), with optional fp16 loss
+    scaling. One instance per mini-batch step."""
+
+    def __init__(self, model: torch.nn.Module, optimizer, grad_clip: float, scaler=None):
+        self.model, self.optimizer, self.grad_clip, self.scaler = model, optimizer, grad_clip, scaler
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def accumulate(self, last: bool):
+        return gradient_sync(self.model, last)
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self) -> float:
+        """Clip to grad_clip and step; returns the global gradient norm before clipping."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+class DeepSpeedStep(TorchStep):
+    """The same through a DeepSpeed engine: it reduces (ZeRO-partitioned) gradients at the accumulation
+    boundary we mark, clips (gradient_clipping in its config) and steps its wrapped optimizer."""
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad()
+
+    def accumulate(self, last: bool):
+        self.model.set_gradient_accumulation_boundary(last)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        self.model.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        self.model.step()
+        norm = self.model.get_global_grad_norm()
+        return float(norm if norm is not None else 0.0)
+
+
+def make_step(model: torch.nn.Module, optimizer, grad_clip: float, scaler=None) -> TorchStep:
+    is_deepspeed = hasattr(model, "set_gradient_accumulation_boundary")
+    return (DeepSpeedStep if is_deepspeed else TorchStep)(model, optimizer, grad_clip, scaler)
+
+
+def _zero3(model: torch.nn.Module) -> bool:
+    return hasattr(model, "zero_optimization_stage") and model.zero_optimization_stage() == 3
+
+
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state dict on rank 0 (CPU tensors), {} elsewhere; every rank must call it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if not dist.is_initialized():
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if _zero3(model):  # ZeRO-3 partitions the parameters themselves: gather them for the copy
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.module.parameters()), modifier_rank=None):
+            state = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
+        return state if dist.get_rank() == 0 else {}
     return get_model_state_dict(unwrap(model) if hasattr(model, "no_sync") else model,
                                 options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
@@ -194,6 +274,13 @@ def load_full_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]
     """Every rank passes the whole state dict; each keeps its shard."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    if _zero3(model):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.module.parameters()), modifier_rank=0):
+            if dist.get_rank() == 0:
+                model.module.load_state_dict(state)
+        return
     set_model_state_dict(unwrap(model) if hasattr(model, "no_sync") else model, state,
                          options=StateDictOptions(full_state_dict=True))
 

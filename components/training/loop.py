@@ -21,7 +21,7 @@ import torch
 from components.algorithms.losses import AggParams
 from components.batch import Batch
 from components.data.sampler import pack_by_tokens
-from components.training.distributed import Comm, gradient_sync
+from components.training.distributed import Comm, make_step
 
 # (micro-batch, counts of its mini-batch) -> (loss to backpropagate, additive metrics of 0-dim tensors)
 MicroLoss = Callable[[Batch, AggParams], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -46,6 +46,20 @@ def row_lengths(b: Batch) -> torch.Tensor:
     """Tokens of each row (prompt + response), padding excluded."""
     t = b.tensors
     return t["prompt_mask"].sum(1) + t["response_mask"].sum(1)
+
+
+def balanced_shards(b: Batch, n: int) -> list[list[int]]:
+    """Row indices for n workers: equal row counts (the first len % n workers one more), token counts
+    balanced greedily, longest rows first, each to the worker with the fewest tokens that still has room."""
+    lengths = row_lengths(b).tolist()
+    room = [len(b) // n + (k < len(b) % n) for k in range(n)]
+    shards: list[list[int]] = [[] for _ in range(n)]
+    load = [0] * n
+    for i in sorted(range(len(b)), key=lambda i: (-lengths[i], i)):
+        w = min((k for k in range(n) if len(shards[k]) < room[k]), key=lambda k: (load[k], k))
+        shards[w].append(i)
+        load[w] += lengths[i]
+    return [sorted(s) for s in shards]
 
 
 def padded_tokens(b: Batch) -> int:
@@ -82,51 +96,42 @@ def micro_batches(b: Batch, size: int | None, max_tokens: int | None = None) -> 
 def minibatch_update(batch: Batch, model: torch.nn.Module, optimizer, scheduler, s: LoopSettings, step: int,
                      micro_loss: MicroLoss, prefix: str, comm: Comm | None = None,
                      scaler: torch.amp.GradScaler | None = None) -> dict[str, float]:
-    """Run s.ppo_epochs passes over this worker's `batch`; returns each metric averaged over optimizer
-    steps (summed over workers), with `{prefix}/grad_norm` (before clipping) and `{prefix}/lr`. The shuffle
-    is seeded by (seed, step); every worker takes mini_batch_size / world_size rows per step."""
+    """Run s.ppo_epochs passes over the (whole) `batch`; returns each metric averaged over optimizer steps
+    (summed over workers), with `{prefix}/grad_norm` (before clipping) and `{prefix}/lr`. The shuffle is
+    seeded by (seed, step), the same on every worker; of each mini-batch a worker takes its token-balanced
+    share (balanced_shards), so N workers make exactly the steps one worker makes."""
     comm = comm or Comm()
-    mini_size = (s.mini_batch_size or len(batch) * comm.world_size) // comm.world_size
+    opt = make_step(model, optimizer, s.grad_clip, scaler)
+    mini_size = s.mini_batch_size or len(batch)
     gen = torch.Generator().manual_seed(s.seed + step)
-    params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
     grad_norms, lrs = [], []
     for _ in range(s.ppo_epochs):
         order = torch.randperm(len(batch), generator=gen) if mini_size < len(batch) else torch.arange(len(batch))
         for start in range(0, len(batch), mini_size):
             mini = batch.select(order[start:start + mini_size])
+            if comm.world_size > 1:
+                mini = mini.select(balanced_shards(mini, comm.world_size)[comm.rank])
             tokens, rows = comm.sum([float(mini.tensors["response_mask"].sum()), float(len(mini))])
             agg = AggParams(max(tokens, 1.0), rows, s.norm_const)
             parts = micro_batches(mini, s.micro_batch_size, s.max_tokens)
             # every worker must run as many backward passes (each reduces gradients): pad with zero-weight ones
             n_passes = comm.max(len(parts))
-            optimizer.zero_grad(set_to_none=True)
+            opt.zero_grad()
             for i in range(n_passes):
-                mb = parts[min(i, len(parts) - 1)]
-                with gradient_sync(model, i == n_passes - 1):
-                    loss, metrics = micro_loss(mb, agg)
-                    weight = comm.world_size if i < len(parts) else 0.0
-                    scaled = loss * weight
-                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                last = i == n_passes - 1
+                with opt.accumulate(last):
+                    loss, metrics = micro_loss(parts[min(i, len(parts) - 1)], agg)
+                    opt.backward(loss * (comm.world_size if i < len(parts) else 0.0), last)
                 if i < len(parts):
                     for k, v in metrics.items():  # every metric is additive across micro-batches and workers
                         sums[k] = sums.get(k, 0.0) + float(v)
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
-            grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
             lrs.append(scheduler.get_last_lr()[0])
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
+            grad_norms.append(opt.step())
             scheduler.step()
     n_steps = len(grad_norms)
     keys = sorted(sums)
-    totals = comm.sum([sums[k] for k in keys])
-    out = {k: v / n_steps for k, v in zip(keys, totals)}
+    out = {k: v / n_steps for k, v in zip(keys, comm.sum([sums[k] for k in keys]))}
     out[f"{prefix}/grad_norm"] = sum(grad_norms) / n_steps
     out[f"{prefix}/lr"] = sum(lrs) / n_steps
     return out
-

@@ -11,9 +11,13 @@ OPTIMIZERS = {
 }
 
 
-def make_optimizer(params, cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """The optimizer named by cfg.type and a linear warm-up (cfg.warmup_steps) then constant schedule."""
-    opt = OPTIMIZERS[cfg.type](params, cfg)
+def make_scheduler(opt: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
+    """A linear warm-up over cfg.warmup_steps, then constant."""
     warm = cfg.warmup_steps
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
-    return opt, sched
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+
+
+def make_optimizer(params, cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The optimizer named by cfg.type and its schedule (make_scheduler)."""
+    opt = OPTIMIZERS[cfg.type](params, cfg)
+    return opt, make_scheduler(opt, cfg)

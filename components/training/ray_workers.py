@@ -13,6 +13,7 @@ from components.batch import Batch
 from components.config import Config
 from components.rollout.worker import RolloutWorker
 from components.training.distributed import GroupSpec
+from components.training.loop import balanced_shards
 from components.training.worker import PolicyWorker
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -29,8 +30,8 @@ def ensure_ray() -> None:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
         # logical CPUs beyond the cores, so a few policy workers and the rollout worker fit on a small machine
-        # (each runs trainer.num_threads threads)
-        ray.init(num_cpus=max(8, os.cpu_count() or 2), include_dashboard=False, runtime_env=runtime_env,
+        # (each runs trainer.num_threads threads); "local": a new instance even when `ray start` left its address
+        ray.init(address="local", num_cpus=max(8, os.cpu_count() or 2), include_dashboard=False, runtime_env=runtime_env,
                  log_to_driver=True, configure_logging=False)
 
 
@@ -54,20 +55,6 @@ def kill_tree(pid: int | None) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
-def balanced_shards(batch: Batch, n: int) -> list[list[int]]:
-    """Row indices for n workers: equal row counts, token counts (prompt + response) balanced greedily,
-    longest rows first, each to the worker with the fewest tokens so far that still has room."""
-    lengths = (batch.tensors["prompt_mask"].sum(1) + batch.tensors["response_mask"].sum(1)).tolist()
-    per = len(batch) // n
-    shards: list[list[int]] = [[] for _ in range(n)]
-    load = [0] * n
-    for i in sorted(range(len(batch)), key=lambda i: (-lengths[i], i)):
-        w = min((k for k in range(n) if len(shards[k]) < per), key=lambda k: (load[k], k))
-        shards[w].append(i)
-        load[w] += lengths[i]
-    return [sorted(s) for s in shards]
-
-
 def _concat_prepared(results: list, shards: list[list[int]]):
     """prepare's (batch, timings) from every worker -> one batch in the original row order, slowest timings."""
     batch = Batch.concat([r[0] for r in results])
@@ -76,9 +63,11 @@ def _concat_prepared(results: list, shards: list[list[int]]):
     return batch.select(torch.argsort(order)), timings
 
 
-# policy methods whose first argument is the batch: each worker gets its shard (the rest go to every worker)
-SHARDED = {"prepare": _concat_prepared, "update": lambda results, _: results[0],
-           "update_critic": lambda results, _: results[0]}
+# policy methods whose first argument is a batch each worker computes its token-balanced shard of
+SHARDED = {"prepare": _concat_prepared}
+# ... and those that get the whole batch (stored once in the object store) and take their share of each
+# mini-batch themselves, so that N workers step exactly as one
+WHOLE = {"update", "update_critic"}
 
 
 @dataclass
@@ -106,8 +95,9 @@ class Workers:
         """`role`.`method`(*args) on its actor(s), waited for at most timeout_s. A call that hangs past it gets
         its actors' whole process trees killed (Ray restarts a rollout actor; the flow rebuilds dead policy
         workers from the last checkpoint) and raises StageTimeout, so nothing is left running behind it.
-        Policy calls go to every worker: a batch argument of prepare/update/update_critic is split into
-        token-balanced shards; the answer is rank 0's (prepare's: the shards joined in row order)."""
+        Policy calls go to every worker: prepare's batch is split into token-balanced shards (and the results
+        joined in row order); update and update_critic get the whole batch through one object-store copy; the
+        answer is rank 0's."""
         if role == "rollout":
             return self._get(role, method, [getattr(self.rollout, method).remote(*args, **kwargs)])[0]
         if method in SHARDED and len(self.policy) > 1:
@@ -115,6 +105,8 @@ class Workers:
             refs = [getattr(a, method).remote(args[0].select(s), *args[1:], **kwargs)
                     for a, s in zip(self.policy, shards)]
             return SHARDED[method](self._get(role, method, refs), shards)
+        if method in WHOLE and len(self.policy) > 1:
+            args = (ray.put(args[0]), *args[1:])
         return self._get(role, method, [getattr(a, method).remote(*args, **kwargs) for a in self.policy])[0]
 
     def push_weights(self) -> int:

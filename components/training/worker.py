@@ -23,7 +23,7 @@ from components.training import distributed as D
 from components.training.actor import PolicyTrainer, UpdateSettings
 from components.training.critic import CriticTrainer, ValueModel
 from components.training.loop import LoopSettings
-from components.training.optim import make_optimizer
+from components.training.optim import make_optimizer, make_scheduler
 from components.training.seeding import seed_everything
 
 
@@ -36,14 +36,14 @@ def sharded_precision(cfg: Config, world_size: int) -> bool:
     return cfg.mixed_precision.enabled and cfg.trainer.strategy == "fsdp" and world_size > 1
 
 
-def parallel_settings(cfg: Config, world_size: int) -> D.ParallelSettings:
-    t, mem = cfg.trainer, cfg.memory_optim
+def parallel_settings(cfg: Config, world_size: int, ocfg=None) -> D.ParallelSettings:
+    t, mem, o = cfg.trainer, cfg.memory_optim, ocfg or cfg.actor.optimizer
     dp = t.data_parallel_size or (1 if t.strategy == "fsdp" else world_size)
     return D.ParallelSettings(
         world_size=world_size, data_parallel_size=dp if world_size % dp == 0 else 1,
         param_offload=mem.param_offload, optimizer_offload=mem.optimizer_offload,
         mp_dtype=MP_DTYPES[cfg.mixed_precision.dtype] if sharded_precision(cfg, world_size) else None,
-        zero_stage=t.zero_stage, lr=cfg.actor.optimizer.lr)
+        zero_stage=t.zero_stage, grad_clip=o.grad_clip, optimizer=lambda params: make_optimizer(params, o)[0])
 
 
 def update_settings(cfg: Config, world_size: int = 1) -> UpdateSettings:
@@ -113,7 +113,7 @@ class PolicyWorker:
         if algo.needs_reference:
             ref = load_model(m.path, m.dtype, m.attention_implementation).eval().requires_grad_(False)
         settings = update_settings(cfg, spec.world_size)
-        opt, sched = make_optimizer(self.model.parameters(), cfg.actor.optimizer)
+        opt, sched = self._optimizer(self.model, cfg.actor.optimizer)
         self.trainer = PolicyTrainer(self.model, ref, opt, sched, settings, self.comm, make_scaler(cfg, self.model))
         self.critic = self._make_critic(settings) if algo.needs_critic else None
         self.compression = self._compression()
@@ -121,21 +121,31 @@ class PolicyWorker:
         self.version = 0
         return os.getpid()
 
-    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Recompute activations if asked, then the strategy's wrapper when there are several workers."""
+    @staticmethod
+    def _optimizer(model: torch.nn.Module, ocfg):
+        """The optimizer and schedule of `model`; a DeepSpeed engine's is ours wrapped (scheduled here)."""
+        if hasattr(model, "set_gradient_accumulation_boundary"):
+            base = getattr(model.optimizer, "optimizer", model.optimizer)
+            return model.optimizer, make_scheduler(base, ocfg)
+        return make_optimizer(model.parameters(), ocfg)
+
+    def _wrap(self, model: torch.nn.Module, ocfg=None) -> torch.nn.Module:
+        """Recompute activations if asked, then the strategy's wrapper when there are several workers
+        (`ocfg`: the optimizer config a DeepSpeed engine builds its optimizer from; the actor's if None)."""
         mem = self.cfg.memory_optim
         if mem.gradient_checkpointing or mem.activation_checkpointing:
             inner = getattr(model, "backbone", model)
             inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.world_size == 1:
             return model
-        return D.STRATEGIES.get(self.cfg.trainer.strategy)(model, parallel_settings(self.cfg, self.world_size))
+        return D.STRATEGIES.get(self.cfg.trainer.strategy)(model, parallel_settings(self.cfg, self.world_size, ocfg))
 
     def _make_critic(self, settings: UpdateSettings) -> CriticTrainer:
         m, c = self.cfg.actor.model, self.cfg.critic
         key = "critic.model_path" if c.model_path else "actor.model.path"
-        model = self._wrap(ValueModel(load_model(c.model_path or m.path, m.dtype, m.attention_implementation, key)))
-        opt, sched = make_optimizer(model.parameters(), c.optimizer)
+        model = self._wrap(ValueModel(load_model(c.model_path or m.path, m.dtype, m.attention_implementation, key)),
+                           c.optimizer)
+        opt, sched = self._optimizer(model, c.optimizer)
         return CriticTrainer(model, opt, sched, settings.loop, c.cliprange_value, "token-mean", self.comm)
 
     def _compression(self) -> D.CompressionChoice | None:

@@ -23,13 +23,14 @@ def synthetic_batch(tokenizer, n=8, seed=0) -> Batch:
                   "response_mask": response_mask, "advantages": adv})
 
 
-def trained_params(tokenizer, micro, mini=None, epochs=1, beta=0.0):
+def trained_params(tokenizer, micro, mini=None, epochs=1, beta=0.0, max_tokens=None):
     torch.manual_seed(0)
     model = make_model(tokenizer)
     ref = make_model(tokenizer) if beta else None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    s = UpdateSettings(LoopSettings(ppo_epochs=epochs, mini_batch_size=mini, micro_batch_size=micro, grad_clip=1e9),
+    s = UpdateSettings(LoopSettings(ppo_epochs=epochs, mini_batch_size=mini, micro_batch_size=micro, grad_clip=1e9,
+                                    max_tokens=max_tokens),
                        beta=beta, loss=PolicyLossParams(agg_mode="token-mean"))
     trainer = PolicyTrainer(model, ref, opt, sched, s)
     metrics = trainer.update(synthetic_batch(tokenizer))
@@ -62,3 +63,25 @@ def test_update_changes_every_parameter_and_reports_metrics(tokenizer):
 def test_multiple_epochs_move_the_ratio_off_one(tokenizer):
     _, metrics = trained_params(tokenizer, micro=8, mini=4, epochs=2)
     assert metrics["actor/ppo_kl"] != 0.0
+
+
+def test_token_budget_micro_batches_give_the_same_step(tokenizer):
+    a, _ = trained_params(tokenizer, micro=8)
+    b, _ = trained_params(tokenizer, micro=None, max_tokens=20)  # several packed micro-batches of <= 20 tokens
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+
+
+def test_micro_batches_are_cut_to_their_padding_and_packed_to_the_budget(tokenizer):
+    from components.training.loop import micro_batches, padded_tokens
+
+    b = synthetic_batch(tokenizer, n=8)
+    b.tensors["response_mask"][1::2, 2:] = 0  # every other row has a 2-token response and a 2-token prompt
+    b.tensors["prompt_mask"][1::2, :2] = 0
+    packed = micro_batches(b, None, max_tokens=36)  # as many tokens as 4 rows of the longest length
+    assert sum(len(p) for p in packed) == 8
+    assert all(padded_tokens(p) <= 36 for p in packed)
+    fixed = micro_batches(b, 4)
+    assert sum(padded_tokens(p) for p in packed) < sum(padded_tokens(p) for p in fixed) <= padded_tokens(b)
+    for p in packed:  # no column left that every row pads
+        assert p.tensors["response_mask"][:, -1].any() and p.tensors["prompt_mask"][:, 0].any()

@@ -9,8 +9,8 @@ import ray
 import torch
 
 from components.config import load_config
-from components.training.ray_workers import (Workers, balanced_shards, ensure_ray, start_policy_group,
-                                             stop_workers)
+from components.training.loop import balanced_shards
+from components.training.ray_workers import Workers, ensure_ray, start_policy_group, stop_workers
 from tests.components.training.test_actor import synthetic_batch
 
 
@@ -38,21 +38,35 @@ def one_update(cfg, tokenizer, n: int, steps: int = 1) -> tuple[dict[str, torch.
         stop_workers(Workers(actors, actors[0]))
 
 
+INITIAL: dict[str, torch.Tensor] = {}
+
+
+@pytest.fixture(autouse=True)
+def _initial(tiny_model_dir):
+    from components.models import load_model
+
+    INITIAL.update({k: v.clone() for k, v in load_model(tiny_model_dir).state_dict().items()})
+
+
 def assert_same(a: dict, b: dict, atol: float) -> None:
     assert a.keys() == b.keys()
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert worst <= atol, f"largest parameter difference {worst:.2e} > {atol:g}"
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp-hybrid"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp-hybrid", "ddp-minibatches-tokens"])
 def test_two_workers_update_like_one(ray_up, tiny_model_dir, tokenizer, strategy):
     extra = ["trainer.strategy=" + strategy.split("-")[0]]
+    if strategy.endswith("minibatches-tokens"):  # 2 epochs x 2 mini-batches, micro-batches packed to 20 tokens
+        extra += ["actor.ppo_mini_batch_size=4", "actor.ppo_epochs=2", "actor.ppo_max_token_len_per_worker=20",
+                  "actor.model.max_seq_len=20", "data.max_prompt_len=4", "engine.max_new_tokens=8"]
     n, group = 2, ["trainer.num_workers=2"]
     if strategy == "fsdp-hybrid":  # 2 replicas, each sharded over 2 workers
         n, group = 4, ["trainer.num_workers=4", "trainer.data_parallel_size=2"]
     one, m1 = one_update(config(tiny_model_dir, *extra), tokenizer, 1)
     two, m2 = one_update(config(tiny_model_dir, *extra, *group), tokenizer, n)
     assert_same(one, two, 1e-5)
+    assert max(float((one[k] - INITIAL[k]).abs().max()) for k in one) > 1e-3  # the update moved the weights
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
         assert abs(m1[0][key] - m2[0][key]) <= 1e-4 * max(1.0, abs(m1[0][key])), (key, m1[0][key], m2[0][key])
 
@@ -78,3 +92,14 @@ def test_slow_link_switches_to_powersgd_and_learns_like_uncompressed(ray_up, tin
     loss_slow = [m["actor/pg_loss"] for m in m_slow]
     # the same batches: the loss curves agree within 0.05 (PowerSGD starts after 2 exact steps)
     assert max(abs(a - b) for a, b in zip(loss_plain, loss_slow)) < 0.05, (loss_plain, loss_slow)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_zero_updates_like_one_worker(ray_up, tiny_model_dir, tokenizer, stage):
+    pytest.importorskip("deepspeed", reason="deepspeed is in the gpu extra: pip install 'reinforge[gpu]'")
+    one, m1 = one_update(config(tiny_model_dir), tokenizer, 1)
+    two, m2 = one_update(config(tiny_model_dir, "trainer.strategy=deepspeed", "trainer.num_workers=2",
+                                f"trainer.zero_stage={stage}", "trainer.save_optimizer=false"), tokenizer, 2)
+    assert_same(one, two, 1e-5)
+    assert max(float((one[k] - INITIAL[k]).abs().max()) for k in one) > 1e-3
+    assert abs(m1[0]["actor/grad_norm"] - m2[0]["actor/grad_norm"]) <= 1e-4 * max(1.0, m1[0]["actor/grad_norm"])

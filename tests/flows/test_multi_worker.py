@@ -1,0 +1,144 @@
+"""The training flow with several policy workers: 2 fsdp workers learn as 1 does (from the same start, the
+same rewards at every iteration and final weights equal within 1e-4), and an update runs across two Ray nodes started on this machine
+(`ray start --head` + `ray start --address`), one worker on each."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.flows.conftest import sft_ready
+
+pytestmark = pytest.mark.slow
+ITERATIONS = 6
+
+
+def scores(root: Path, run_id: str, key: str = "critic/score/mean") -> list[float]:
+    history = MlflowClient(f"sqlite:///{root}/mlruns.db").get_metric_history(run_id, key)
+    return [m.value for m in sorted(history, key=lambda m: m.step)]
+
+
+def test_two_fsdp_workers_learn_as_one(tmp_path, prefect_harness, ray_local):
+    from flows.train import train_flow
+
+    # SGD: Adam's first steps are lr x sign(grad), so rounding noise in a near-zero gradient would move a weight
+    # by lr and let the two runs sample different tokens; with SGD they stay within rounding
+    extra = ("algorithm.kl_loss_coef=0.04", "actor.ppo_mini_batch_size=16", "actor.optimizer.type=sgd",
+             "actor.optimizer.lr=0.5")
+    with sft_ready(tmp_path, ITERATIONS, extra) as ov:
+        one = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={tmp_path}/one"])
+        two = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={tmp_path}/two",
+                                                          "trainer.num_workers=2", "trainer.strategy=fsdp"])
+    s1, s2 = scores(tmp_path, one["run_id"]), scores(tmp_path, two["run_id"])
+    assert len(s1) == len(s2) == ITERATIONS
+    assert max(abs(a - b) for a, b in zip(s1, s2)) <= 1e-6, (s1, s2)  # the same rollouts, iteration by iteration
+    from components.models import load_model
+
+    w1 = dict(load_model(one["final_model"]).named_parameters())
+    w2 = dict(load_model(two["final_model"]).named_parameters())
+    moved = max(float((w1[k] - w0).abs().max()) for k, w0 in load_model(tmp_path / "sft").named_parameters())
+    assert moved > 1e-3 and max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-4
+    kl = scores(tmp_path, two["run_id"], "actor/kl_loss")
+    assert len(kl) == ITERATIONS and kl[-1] > 0  # the reference is loaded on each worker
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+UPDATE_ACROSS_NODES = textwrap.dedent("""
+    import json, sys
+    import ray
+    from components.config import load_config
+    from components.training.ray_workers import Workers, ensure_ray, start_policy_group, stop_workers
+    from tests.components.training.test_actor import synthetic_batch
+    from components.models import build_char_tokenizer
+
+    ensure_ray()  # RAY_ADDRESS: the two-node cluster, our code shipped to it
+    cfg = load_config(None, [f"actor.model.path={sys.argv[1]}", "data.batch_size=2", "engine.n=4",
+                             "trainer.num_workers=2", "trainer.strategy=fsdp", "trainer.num_threads=1"])
+    actors, pids = start_policy_group(cfg, 2)
+    nodes = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for a in actors])
+    metrics = Workers(actors, None, 300.0, {"policy": pids}).call("policy", "update",
+                                                                  synthetic_batch(build_char_tokenizer()))
+    stop_workers(Workers(actors, actors[0]))
+    print(json.dumps({"nodes": nodes, "grad_norm": metrics["actor/grad_norm"]}))
+""")
+
+
+def _wait_for(port: int, env: dict, nodes: int = 1, timeout: float = 120) -> None:
+    """Until the cluster at `port` has `nodes` live nodes."""
+    probe = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+             "print(sum(n['Alive'] for n in ray.nodes()))")
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        res = subprocess.run([sys.executable, "-c", probe, f"127.0.0.1:{port}"], env=env, capture_output=True,
+                             text=True, timeout=60, check=False)
+        if res.returncode == 0 and res.stdout.strip().splitlines()[-1:] == [str(nodes)]:
+            return
+        time.sleep(1)
+    raise TimeoutError(f"the Ray cluster on port {port} did not reach {nodes} nodes")
+
+
+def test_an_update_across_two_ray_nodes(tmp_path, tiny_model_dir):
+    port = _free_port()
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0", "RAY_AUTH_MODE": "disabled"}  # a token cluster needs RAY_AUTH_TOKEN
+    env.pop("RAY_ADDRESS", None)
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    common = ["--num-cpus=2", "--block", "--disable-usage-stats"]
+    head = subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", "--include-dashboard=false", *common],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    nodes = [head]
+    try:
+        _wait_for(port, env)
+        nodes.append(subprocess.Popen([ray_bin, "start", f"--address=127.0.0.1:{port}", *common], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        _wait_for(port, env, nodes=2)
+        script = tmp_path / "update.py"
+        script.write_text(UPDATE_ACROSS_NODES)
+        res = subprocess.run([sys.executable, str(script), str(tiny_model_dir)], cwd=Path(__file__).parents[2],
+                             env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "PYTHONPATH": str(Path(__file__).parents[2])},
+                             capture_output=True, text=True, timeout=600, check=False)
+        assert res.returncode == 0, res.stderr[-3000:]
+        import json
+
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        assert len(set(out["nodes"])) == 2, out  # one worker on each node
+        assert out["grad_norm"] > 0
+    finally:
+        _stop_cluster(nodes, port)
+
+
+def _stop_cluster(nodes: list[subprocess.Popen], port: int) -> None:
+    """Stop only this cluster (`ray stop` would stop the test session's own Ray too): the `ray start`
+    process groups, then any of its daemons that name its port."""
+    import psutil
+
+    for p in reversed(nodes):
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    daemons = [q for q in psutil.process_iter(["cmdline"]) if any(f":{port}" in a or f"={port}" in a
+                                                                  for a in (q.info["cmdline"] or []))]
+    for q in daemons:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            q.kill()
+    psutil.wait_procs(daemons, timeout=10)
+    current = Path("/tmp/ray/ray_current_cluster")  # `ray start` leaves its address for a later ray.init()
+    if current.is_file() and current.read_text().strip().endswith(f":{port}"):
+        current.unlink()
