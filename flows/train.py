@@ -113,7 +113,7 @@ def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | N
                         batch, m_reward = _collect_batch(timings, workers, sampler, train_rows, tokenizer, cfg, it,
                                                          version)
                         scored = (it, batch, m_reward, sampler.state_dict())
-                    if algo.needs_critic or kl_ctrl is not None:
+                    if algo.needs_critic or kl_ctrl is not None or workers.reference is not None:
                         batch, t_prep = prepare_batch(workers, batch)
                         timings.update(t_prep)
                     batch, m_adv = _timed(timings, "adv", compute_advantages, batch, cfg,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prefect import task
 
 from components.algorithms.presets import resolve
@@ -53,7 +55,14 @@ def score_rewards(batch: Batch, tokenizer, cfg: Config) -> tuple[Batch, dict[str
 
 @task(name="old-log-prob", **STAGE)
 def prepare_batch(workers: Workers, batch: Batch) -> tuple[Batch, dict[str, float]]:
-    """Old and reference log-probs and critic values, when the advantages need them; with per-stage seconds."""
+    """Old and reference log-probs and critic values, when the advantages or the update need them; with
+    per-stage seconds. A separate reference actor (trainer.ref_placement=separate) computes its log-probs."""
+    if workers.reference is not None:
+        start = time.perf_counter()
+        batch = batch.union(ref_logprobs=workers.call("reference", "logprobs", batch))
+        ref_s = time.perf_counter() - start
+        batch, timings = workers.call("policy", "prepare", batch)
+        return batch, {**timings, "timing_s/ref": ref_s}
     return workers.call("policy", "prepare", batch)
 
 

@@ -160,6 +160,8 @@ class TrainerConfig(Section):
     zero_stage: Literal[1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage (trainer.strategy=deepspeed)")
     worker_resources: dict[str, float] = Field({"CPU": 1.0}, description="Ray resources of each policy worker: "
                                                "CPU, GPU, or a custom name such as NPU")
+    ref_placement: Literal["colocate", "separate"] = Field("colocate", description="reference policy on the policy "
+                                                           "workers, or in an actor of its own")
     min_workers: int = Field(1, ge=1, description="a rebuilt group may shrink to this many workers when the "
                                                   "cluster lost resources (the global batch is kept)")
     grad_compression: Literal["auto", "none", "fp16", "powersgd"] = Field(

@@ -13,9 +13,9 @@ from transformers import PreTrainedModel
 
 from components.algorithms.losses import POLICY_LOSSES, AggParams, PolicyLossParams, agg_loss, kl_penalty
 from components.batch import Batch
-from components.training.logprobs import response_logprobs
+from components.training.logprobs import batch_logprobs, response_logprobs
 from components.training.distributed import Comm
-from components.training.loop import LoopSettings, minibatch_update, row_chunks
+from components.training.loop import LoopSettings, minibatch_update
 
 
 @dataclass(frozen=True)
@@ -55,12 +55,10 @@ class PolicyTrainer:
         """More than one optimizer step per batch, so the ratio to the behaviour policy moves off 1."""
         return self.s.loop.ppo_epochs > 1 or (self.s.loop.mini_batch_size or n_rows) < n_rows
 
-    @torch.no_grad()
     def logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
         """Log-probs (N, R) of the responses under the current policy or the frozen reference."""
         model = self.ref_model if reference else self.model
-        model.eval()
-        return torch.cat([self._logprobs(model, p)[0] for p in row_chunks(batch, self.s.loop.micro_batch_size)])
+        return batch_logprobs(model, batch, self.s.temperature, self.s.loop.micro_batch_size)
 
     def prepare(self, batch: Batch, need_old: bool = False) -> Batch:
         """Add what the update needs and the batch lacks: old (behaviour) log-probs when off-policy or asked,

@@ -141,7 +141,8 @@ def wrap_fsdp(model: torch.nn.Module, s: ParallelSettings) -> torch.nn.Module:
     if s.mp_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=s.mp_dtype, reduce_dtype=torch.float32)
     if s.param_offload or s.optimizer_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()  # parameters, gradients and optimizer state in host memory
+        # parameters, gradients and optimizer state in host memory (pinned for fast copies when there is a GPU)
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     return fully_shard(model, **kwargs)

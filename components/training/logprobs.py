@@ -34,3 +34,17 @@ def response_logprobs(model: PreTrainedModel, prompts: torch.Tensor, prompt_mask
     if with_entropy:
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+@torch.no_grad()
+def batch_logprobs(model: PreTrainedModel, batch, temperature: float, micro_batch_size: int | None) -> torch.Tensor:
+    """Log-probs (N, R) of a Batch's responses, micro_batch_size rows per forward pass (None = all at once)."""
+    from components.training.loop import row_chunks
+
+    model.eval()
+    parts = []
+    for p in row_chunks(batch, micro_batch_size):
+        t = p.tensors
+        parts.append(response_logprobs(model, t["prompts"], t["prompt_mask"], t["responses"], t["response_mask"],
+                                       temperature)[0])
+    return torch.cat(parts)

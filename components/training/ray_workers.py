@@ -14,7 +14,8 @@ from components.config import Config
 from components.rollout.worker import RolloutWorker
 from components.training.distributed import GroupSpec
 from components.training.loop import balanced_shards
-from components.training.worker import PolicyWorker
+from components.algorithms.presets import resolve
+from components.training.worker import PolicyWorker, ReferenceWorker
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,6 +80,7 @@ class Workers:
     rollout: "ray.actor.ActorHandle"
     timeout_s: float = 1200.0
     pids: dict[str, list[int]] = field(default_factory=dict)
+    reference: "ray.actor.ActorHandle | None" = None  # trainer.ref_placement=separate
 
     def _get(self, role: str, method: str, refs: list):
         try:
@@ -98,8 +100,8 @@ class Workers:
         Policy calls go to every worker: prepare's batch is split into token-balanced shards (and the results
         joined in row order); update and update_critic get the whole batch through one object-store copy; the
         answer is rank 0's."""
-        if role == "rollout":
-            return self._get(role, method, [getattr(self.rollout, method).remote(*args, **kwargs)])[0]
+        if role != "policy":  # the rollout or reference actor
+            return self._get(role, method, [getattr(getattr(self, role), method).remote(*args, **kwargs)])[0]
         if method in SHARDED and len(self.policy) > 1:
             shards = balanced_shards(args[0], len(self.policy))
             refs = [getattr(a, method).remote(args[0].select(s), *args[1:], **kwargs)
@@ -130,7 +132,10 @@ def workers_that_fit(cfg: Config) -> int:
     t = cfg.trainer
     need = {k: v for k, v in t.worker_resources.items() if v > 0}
     total = ray.cluster_resources()
-    fits = min([int((total.get(k, 0.0) - (1.0 if k == "CPU" else 0.0)) // v) for k, v in need.items()] or [t.num_workers])
+    # the rollout actor takes a CPU, a separate reference actor one worker's resources
+    separate_ref = resolve(cfg.algorithm).needs_reference and t.ref_placement == "separate"
+    fits = min([int((total.get(k, 0.0) - (1.0 if k == "CPU" else 0.0)) // v) - separate_ref
+                for k, v in need.items()] or [t.num_workers])
     responses = cfg.data.batch_size * cfg.engine.n
     mini = cfg.actor.ppo_mini_batch_size or responses
     n = next((k for k in range(min(t.num_workers, fits), 0, -1) if responses % k == 0 and mini % k == 0), 0)
@@ -170,13 +175,18 @@ def start_workers(cfg: Config) -> Workers:
     policy, policy_pids = start_policy_group(cfg, n)
     rollout = ray.remote(num_cpus=1, max_restarts=3)(RolloutWorker).remote(
         m.path, cfg.engine.type, m.dtype, m.attention_implementation, cfg.trainer.num_threads)
-    rollout_pid = ray.get(rollout.pid.remote())
-    return Workers(policy, rollout, float(cfg.trainer.stage_timeout_s), {"policy": policy_pids,
-                                                                          "rollout": [rollout_pid]})
+    pids = {"policy": policy_pids, "rollout": [ray.get(rollout.pid.remote())]}
+    reference = None
+    if resolve(cfg.algorithm).needs_reference and cfg.trainer.ref_placement == "separate":
+        res = dict(cfg.trainer.worker_resources)
+        reference = ray.remote(num_cpus=res.pop("CPU", 0.0), num_gpus=res.pop("GPU", 0.0), resources=res or None,
+                               max_restarts=3)(ReferenceWorker).remote(cfg.model_dump())
+        pids["reference"] = [ray.get(reference.pid.remote())]
+    return Workers(policy, rollout, float(cfg.trainer.stage_timeout_s), pids, reference)
 
 
 def stop_workers(workers: Workers) -> None:
-    for actor in [*workers.policy, workers.rollout]:
+    for actor in [*workers.policy, workers.rollout, *([workers.reference] if workers.reference else [])]:
         try:
             ray.kill(actor, no_restart=True)
         except ValueError:  # not an actor handle any more: nothing to kill

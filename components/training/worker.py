@@ -22,6 +22,7 @@ from components.tracking.checkpoints import load_optimizer, save_optimizer
 from components.training import distributed as D
 from components.training.actor import PolicyTrainer, UpdateSettings
 from components.training.critic import CriticTrainer, ValueModel
+from components.training.logprobs import batch_logprobs
 from components.training.loop import LoopSettings
 from components.training.optim import make_optimizer, make_scheduler
 from components.training.seeding import seed_everything
@@ -110,7 +111,7 @@ class PolicyWorker:
         self.tokenizer = load_tokenizer(m.path)
         self.model = self._wrap(load_model(m.path, m.dtype, m.attention_implementation))
         ref = None
-        if algo.needs_reference:
+        if algo.needs_reference and cfg.trainer.ref_placement == "colocate":
             ref = load_model(m.path, m.dtype, m.attention_implementation).eval().requires_grad_(False)
         settings = update_settings(cfg, spec.world_size)
         opt, sched = self._optimizer(self.model, cfg.actor.optimizer)
@@ -274,3 +275,21 @@ class PolicyWorker:
 
     def state(self) -> dict:
         return {"version": self.version, "steps": self.trainer.steps}
+
+
+class ReferenceWorker:
+    """The frozen reference policy in a Ray actor of its own (trainer.ref_placement=separate): log-probs of
+    the responses, so the policy workers hold no second copy of the model."""
+
+    def __init__(self, cfg_dict: dict):
+        cfg = Config.model_validate(cfg_dict)
+        torch.set_num_threads(cfg.trainer.num_threads)
+        m = cfg.actor.model
+        self.model = load_model(m.path, m.dtype, m.attention_implementation).eval().requires_grad_(False)
+        self.temperature, self.micro = cfg.engine.temperature or 1.0, cfg.actor.ppo_micro_batch_size
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        return batch_logprobs(self.model, batch, self.temperature, self.micro)
+
+    def pid(self) -> int:
+        return os.getpid()

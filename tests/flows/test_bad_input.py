@@ -61,7 +61,7 @@ def test_malformed_dataset_is_quarantined_and_clean_output_is_whole(tmp_path):
                                                   f"data.eval_path={tmp_path}/c/test.parquet",
                                                   f"data.quarantine_dir={tmp_path}/q", "trainer.run_dir=/"])
     reports = clean_data.fn(cfg)
-    assert (reports[0].input_rows, reports[0].kept, reports[0].quarantined) == (33, 30, 3)
+    assert (reports[0]["input_rows"], reports[0]["kept"], reports[0]["quarantined"]) == (33, 30, 3)
     q = pq.read_table(tmp_path / "q" / "train.parquet").to_pylist()
     assert sorted(r["reason"].split(":")[0] for r in q) == ["duplicate of row 2", "schema", "schema"]
     assert len(pq.read_table(tmp_path / "c" / "train.parquet")) == 30

@@ -1,5 +1,6 @@
-"""The training flow with several policy workers: 2 fsdp workers learn as 1 does (from the same start, the
-same rewards at every iteration and final weights equal within 1e-4), and an update runs across two Ray nodes started on this machine
+"""The training flow with several policy workers: 2 fsdp workers (the reference policy in an actor of its own)
+learn as 1 worker with a colocated reference does (from the same start, the same rewards at every iteration
+and final weights equal within 1e-4), and an update runs across two Ray nodes started on this machine
 (`ray start --head` + `ray start --address`), one worker on each."""
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def test_two_fsdp_workers_learn_as_one(tmp_path, prefect_harness, ray_local):
     with sft_ready(tmp_path, ITERATIONS, extra) as ov:
         one = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={tmp_path}/one"])
         two = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={tmp_path}/two",
-                                                          "trainer.num_workers=2", "trainer.strategy=fsdp"])
+                                                          "trainer.num_workers=2", "trainer.strategy=fsdp",
+                                                          "trainer.ref_placement=separate"])
     s1, s2 = scores(tmp_path, one["run_id"]), scores(tmp_path, two["run_id"])
     assert len(s1) == len(s2) == ITERATIONS
     assert max(abs(a - b) for a, b in zip(s1, s2)) <= 1e-6, (s1, s2)  # the same rollouts, iteration by iteration
@@ -49,7 +51,8 @@ def test_two_fsdp_workers_learn_as_one(tmp_path, prefect_harness, ray_local):
     moved = max(float((w1[k] - w0).abs().max()) for k, w0 in load_model(tmp_path / "sft").named_parameters())
     assert moved > 1e-3 and max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-4
     kl = scores(tmp_path, two["run_id"], "actor/kl_loss")
-    assert len(kl) == ITERATIONS and kl[-1] > 0  # the reference is loaded on each worker
+    assert len(kl) == ITERATIONS and kl[-1] > 0
+    assert len(scores(tmp_path, two["run_id"], "timing_s/ref")) == ITERATIONS  # the reference in its own actor
 
 
 def _free_port() -> int:

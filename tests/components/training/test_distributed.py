@@ -24,6 +24,7 @@ def config(model_dir, *extra: str):
     # SGD: Adam's first step is lr x sign(grad), which turns rounding noise in tiny gradients into lr-sized steps
     return load_config(None, [f"actor.model.path={model_dir}", "data.batch_size=2", "engine.n=4",
                               "actor.optimizer.type=sgd", "actor.optimizer.lr=0.05", "actor.optimizer.grad_clip=1000", "trainer.num_threads=1",
+                              "trainer.grad_compression=none",
                               *extra])
 
 
@@ -83,7 +84,8 @@ def test_shards_are_token_balanced_with_equal_rows(tokenizer):
 def test_slow_link_switches_to_powersgd_and_learns_like_uncompressed(ray_up, tiny_model_dir, tokenizer):
     base = ["trainer.strategy=ddp", "trainer.num_workers=2"]
     plain, m_plain = one_update(config(tiny_model_dir, *base, "trainer.grad_compression=none"), tokenizer, 2, 6)
-    slow, m_slow = one_update(config(tiny_model_dir, *base, "trainer.simulated_bandwidth_gbps=0.02"), tokenizer, 2,
+    slow, m_slow = one_update(config(tiny_model_dir, *base, "trainer.grad_compression=auto",
+                                       "trainer.simulated_bandwidth_gbps=0.02"), tokenizer, 2,
                               6)
     assert m_slow[-1]["perf/grad_compression"] == 2 and m_slow[-1]["perf/grad_compression_rank"] == 1
     assert m_slow[-1]["perf/allreduce_gbps"] <= 0.021
@@ -103,3 +105,15 @@ def test_deepspeed_zero_updates_like_one_worker(ray_up, tiny_model_dir, tokenize
     assert_same(one, two, 1e-5)
     assert max(float((one[k] - INITIAL[k]).abs().max()) for k in one) > 1e-3
     assert abs(m1[0]["actor/grad_norm"] - m2[0]["actor/grad_norm"]) <= 1e-4 * max(1.0, m1[0]["actor/grad_norm"])
+
+
+def test_a_group_shrinks_to_what_the_cluster_holds(ray_up, tiny_model_dir):
+    from components.training.ray_workers import workers_that_fit
+
+    free = int(ray.cluster_resources()["CPU"]) - 1  # the rollout actor takes one
+    cfg = config(tiny_model_dir, "data.batch_size=16", "engine.n=4", "trainer.num_workers=64")
+    n = workers_that_fit(cfg)
+    assert n == max(k for k in range(1, free + 1) if 64 % k == 0)  # fits, and still splits the batch evenly
+    with pytest.raises(RuntimeError, match=r"room for \d+ policy workers .* trainer.min_workers=64"):
+        workers_that_fit(config(tiny_model_dir, "data.batch_size=16", "engine.n=4", "trainer.num_workers=64",
+                                "trainer.min_workers=64"))
