@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads in all, split over the workers")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--only", nargs="*", help="run only settings whose name contains one of these")
+    p.add_argument("--skip", nargs="*", help="skip settings whose name contains one of these (bf16 on a CPU "
+                   "without bf16 matmul units takes minutes per update)")
     p.add_argument("--out", default="bench/results/distributed.json")
     a = p.parse_args(argv)
 
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
             f"data.max_prompt_len={a.prompt_len}", f"engine.max_new_tokens={a.max_resp}"]
     rows = []
     for name, n, extra in SETTINGS:
-        if a.only and not any(o in name for o in a.only):
+        if (a.only and not any(o in name for o in a.only)) or (a.skip and any(o in name for o in a.skip)):
             continue
         extra = [e.format(budget=budget) for e in extra]
         cfg = load_config(None, base + extra + [f"trainer.num_workers={n}",

@@ -47,6 +47,7 @@ def _collect_batch(timings, workers, sampler, train_rows, tokenizer, cfg, it, ve
     def one_round(round_: int):
         rows = [train_rows[i] for i in sampler.next_indices()]
         batch = _timed(timings, "gen", generate_rollouts, workers, rows, cfg, it, version, round_)
+        timings["timing_s/gen_compute"] = timings.get("timing_s/gen_compute", 0.0) + batch.meta.get("gen_seconds", 0.0)
         return _timed(timings, "reward", score_rewards, batch, tokenizer, cfg)
 
     batch, metrics = one_round(0)

@@ -1,11 +1,32 @@
-"""Shared task settings: which failures are transient (retried) and the default stage timeout."""
+"""Shared task settings: which failures are transient (retried), the default stage timeout, and `stage`, the
+decorator of the RL loop's tasks."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from prefect import Task
 from prefect.cache_policies import NO_CACHE
+from prefect.utilities.annotations import opaque
 
 # Stages pass tensors and Ray handles, which are not worth hashing for a cache key.
 STAGE = {"cache_policy": NO_CACHE, "timeout_seconds": 1800}
+
+
+class Stage(Task):
+    """A Prefect task whose arguments are passed `opaque`: Prefect still links a value an upstream task
+    returned (the graph in the UI), but does not walk into it looking for futures. A batch, a config and the
+    worker handles are thousands of nodes; walking them cost 15-35 ms per call, more than the work of some
+    stages (bench/trl_compare.py)."""
+
+    def __call__(self, *args: Any, return_state: bool = False, wait_for: Any = None, **kwargs: Any) -> Any:
+        return super().__call__(*(opaque(a) for a in args), return_state=return_state, wait_for=wait_for,
+                                **{k: opaque(v) for k, v in kwargs.items()})
+
+
+def stage(**options: Any):
+    """@stage(name=..., retries=...): a Stage task with STAGE's defaults (no cache, a timeout) under options."""
+    return lambda fn: Stage(fn=fn, **{**STAGE, **options})
 
 TRANSIENT = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError", "ObjectLostError",
              "GetTimeoutError", "TimeoutError", "ConnectionError")

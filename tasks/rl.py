@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import time
 
-from prefect import task
-
 from components.algorithms.presets import resolve
 from components.batch import Batch
 from components.config import Config
@@ -14,7 +12,7 @@ from components.rollout.base import SamplingParams
 from components.training import ray_workers
 from components.training.ray_workers import Workers
 from components.training.seeding import derive_seed
-from tasks.common import RETRY_TRANSIENT, STAGE, logger, retry_transient
+from tasks.common import RETRY_TRANSIENT, logger, retry_transient, stage
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
@@ -23,13 +21,13 @@ def sampling_params(cfg: Config) -> SamplingParams:
                           max_new_tokens=e.max_new_tokens)
 
 
-@task(name="start-workers", **STAGE)
+@stage(name="start-workers")
 def start_workers(cfg: Config) -> Workers:
     """Start the policy and rollout actors (kept for the whole run)."""
     return ray_workers.start_workers(cfg)
 
 
-@task(name="gen", retry_condition_fn=retry_transient, **RETRY_TRANSIENT, **STAGE)
+@stage(name="gen", retry_condition_fn=retry_transient, **RETRY_TRANSIENT)
 def generate_rollouts(workers: Workers, rows: list[dict], cfg: Config, iteration: int, version: int,
                       round_: int = 0) -> Batch:
     """engine.n completions per prompt, sampled with weights `version` (checked by the engine); remax also
@@ -40,7 +38,7 @@ def generate_rollouts(workers: Workers, rows: list[dict], cfg: Config, iteration
     return workers.call("rollout", "generate", rows, sampling_params(cfg), seed, iteration, version, greedy)
 
 
-@task(name="reward", **STAGE)
+@stage(name="reward")
 def score_rewards(batch: Batch, tokenizer, cfg: Config) -> tuple[Batch, dict[str, float]]:
     """Decode responses and score them with the scorer of each row's data_source (plus DAPO's overlong
     penalty, and the greedy baseline's score for remax)."""
@@ -53,7 +51,7 @@ def score_rewards(batch: Batch, tokenizer, cfg: Config) -> tuple[Batch, dict[str
                        ray_workers.score_in_worker)
 
 
-@task(name="old-log-prob", **STAGE)
+@stage(name="old-log-prob")
 def prepare_batch(workers: Workers, batch: Batch) -> tuple[Batch, dict[str, float]]:
     """Old and reference log-probs and critic values, when the advantages or the update need them; with
     per-stage seconds. A separate reference actor (trainer.ref_placement=separate) computes its log-probs."""
@@ -66,18 +64,18 @@ def prepare_batch(workers: Workers, batch: Batch) -> tuple[Batch, dict[str, floa
     return workers.call("policy", "prepare", batch)
 
 
-@task(name="adv", **STAGE)
+@stage(name="adv")
 def compute_advantages(batch: Batch, cfg: Config, kl_coef: float | None = None) -> tuple[Batch, dict[str, float]]:
     """Advantages by the preset's estimator; kl_coef subtracts the KL to the reference from the rewards."""
     return add_advantages(batch, resolve(cfg.algorithm), kl_coef, cfg.algorithm.kl_penalty)
 
 
-@task(name="update-critic", **STAGE)
+@stage(name="update-critic")
 def update_critic(workers: Workers, batch: Batch) -> dict[str, float]:
     return workers.call("policy", "update_critic", batch)
 
 
-@task(name="update-actor", **STAGE)
+@stage(name="update-actor")
 def update_policy(workers: Workers, batch: Batch) -> dict[str, float]:
     return workers.call("policy", "update", batch)
 
@@ -96,13 +94,13 @@ def ensure_current(workers: Workers, version: int) -> None:
         push_weights(workers)
 
 
-@task(name="update-weights", retry_condition_fn=retry_transient, **RETRY_TRANSIENT, **STAGE)
+@stage(name="update-weights", retry_condition_fn=retry_transient, **RETRY_TRANSIENT)
 def sync_weights(workers: Workers) -> int:
     """Push the policy's weights to the rollout engine through the object store; returns their version."""
     return push_weights(workers)
 
 
-@task(name="testing", retry_condition_fn=retry_transient, **RETRY_TRANSIENT, **STAGE)
+@stage(name="testing", retry_condition_fn=retry_transient, **RETRY_TRANSIENT)
 def evaluate_policy(workers: Workers, rows: list[dict], cfg: Config) -> dict[str, float]:
     """Greedy accuracy and mean@k / pass@k on the held-out rows with the current weights."""
     rows = rows[:cfg.trainer.eval_size] if cfg.trainer.eval_size else rows

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from prefect import task
-
 from components.config import Config, fingerprint, flatten
 from components.data.io import write_json
 from components.lineage import file_md5, verify_tracked
@@ -14,7 +12,7 @@ from components.tracking import checkpoints
 from components.tracking.mlflow_tracker import Tracker, git_commit
 from components.tracking.plots import reward_curve
 from components.training.ray_workers import Workers
-from tasks.common import STAGE, logger
+from tasks.common import logger, stage
 
 
 def run_fingerprint(cfg: Config) -> str:
@@ -22,7 +20,7 @@ def run_fingerprint(cfg: Config) -> str:
     return fingerprint(cfg, train_data=file_md5(cfg.data.train_path))
 
 
-@task(name="find-checkpoint", **STAGE)
+@stage(name="find-checkpoint")
 def find_checkpoint(cfg: Config, fingerprint: str) -> tuple[str | None, dict]:
     """The checkpoint trainer.resume_mode asks for (verified) and its state.json; (None, {}) to start fresh.
 
@@ -45,7 +43,7 @@ def find_checkpoint(cfg: Config, fingerprint: str) -> tuple[str | None, dict]:
     return str(ckpt), json.loads((ckpt / "state.json").read_text())
 
 
-@task(name="start-run", **STAGE)
+@stage(name="start-run")
 def start_run(cfg: Config, pipeline: str, version: str, run_name: str, run_id: str | None = None) -> Tracker:
     """One MLflow run: params = flattened config; tags = git commit, data hashes, pipeline name/version.
     With run_id (a resumed training) the same run continues; steps it already has are never logged again."""
@@ -58,16 +56,18 @@ def start_run(cfg: Config, pipeline: str, version: str, run_name: str, run_id: s
     return tracker
 
 
-@task(name="log-metrics", retries=2, retry_delay_seconds=[1, 5], **STAGE)
+@stage(name="log-metrics", retries=2, retry_delay_seconds=[1, 5])
 def log_metrics(tracker: Tracker, metrics: dict[str, float], step: int) -> bool:
     return tracker.log_metrics(metrics, step)
 
 
-@task(name="save-checkpoint", **STAGE)
+@stage(name="save-checkpoint")
 def save_checkpoint(workers: Workers, tracker: Tracker, cfg: Config, iteration: int, state: dict) -> tuple[str, dict]:
     """Atomic checkpoint (the policy worker's model, optimizer, scheduler, RNG and critic; the driver's
     `state`: sampler position, weights version, controller, run fingerprint) logged to MLflow as an artifact. Returns its
-    directory and its state.json (checkpoint_metrics reads the save's timing from it)."""
+    directory and its state.json (checkpoint_metrics reads the save's timing from it). The metrics queued
+    so far are stored first: a checkpoint never gets ahead of its run's metrics."""
+    tracker.flush()
     path = checkpoints.save_checkpoint(
         Path(cfg.trainer.output_dir) / "checkpoints", iteration,
         lambda out: workers.call("policy", "write_checkpoint", str(out), cfg.trainer.save_optimizer),
@@ -82,13 +82,13 @@ def checkpoint_metrics(state: dict) -> dict[str, float]:
     return {"timing_s/save_checkpoint": float(state.get("save_seconds", 0.0))}
 
 
-@task(name="restore-checkpoint", **STAGE)
+@stage(name="restore-checkpoint")
 def restore_checkpoint(workers: Workers, ckpt: str) -> int:
     """Load a verified checkpoint into the policy worker; returns the weights version it holds."""
     return workers.call("policy", "load_checkpoint", ckpt)
 
 
-@task(name="finalize", **STAGE)
+@stage(name="finalize")
 def finalize(workers: Workers, tracker: Tracker, cfg: Config, history: list[dict], wall_s: float) -> dict:
     """Save the final model (HF format), the reward curve and run.json; end the MLflow run."""
     out = Path(cfg.trainer.output_dir)

@@ -79,6 +79,10 @@ def parallel_problems(cfg: "Config", responses: int) -> list[str]:
     if budget is not None and budget < cfg.actor.model.max_seq_len:
         problems.append(f"actor.ppo_max_token_len_per_worker={budget} is below actor.model.max_seq_len="
                         f"{cfg.actor.model.max_seq_len}, so a long response would not fit a micro-batch; raise it.")
+    if t.rollout_placement == "colocate" and (n > 1 or cfg.engine.type != "hf"):
+        problems.append(f"trainer.rollout_placement=colocate shares the policy's parameters with an hf engine in "
+                        f"one worker, but trainer.num_workers={n}, engine.type={cfg.engine.type}; set "
+                        "trainer.rollout_placement=separate (or auto).")
     if t.min_workers > n:
         problems.append(f"trainer.min_workers={t.min_workers} is above trainer.num_workers={n}; lower it.")
     return problems

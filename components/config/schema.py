@@ -162,6 +162,9 @@ class TrainerConfig(Section):
                                                "CPU, GPU, or a custom name such as NPU")
     ref_placement: Literal["colocate", "separate"] = Field("colocate", description="reference policy on the policy "
                                                            "workers, or in an actor of its own")
+    rollout_placement: Literal["auto", "colocate", "separate"] = Field(
+        "auto", description="rollout engine inside policy worker 0, sampling with its own parameters (no weight "
+        "copy), or in an actor of its own; auto = colocate with one worker and engine.type=hf")
     min_workers: int = Field(1, ge=1, description="a rebuilt group may shrink to this many workers when the "
                                                   "cluster lost resources (the global batch is kept)")
     grad_compression: Literal["auto", "none", "fp16", "powersgd"] = Field(

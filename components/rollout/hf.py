@@ -35,6 +35,13 @@ class HFEngine:
         self.model.load_state_dict(state_dict, strict=True)
         self.weights_version = version
 
+    def mark_current(self, version: int) -> None:
+        """The engine samples with the policy's own module (colocated): its weights are already the policy's,
+        only the version moves."""
+        if version < self.weights_version:
+            raise ValueError(f"weights version {version} is older than the engine's {self.weights_version}")
+        self.weights_version = version
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:
         gen = torch.Generator().manual_seed(seed)

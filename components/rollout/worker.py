@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 
 import torch
@@ -15,10 +16,11 @@ from components.rollout.base import SamplingParams, make_engine
 
 class RolloutWorker:
     def __init__(self, model_path: str, engine_type: str = "hf", dtype: str = "float32", attn: str = "sdpa",
-                 num_threads: int = 2, key: str = "actor.model.path"):
+                 num_threads: int = 2, key: str = "actor.model.path", model=None):
+        """`model`: sample with this module (a colocated policy's own) instead of loading a copy."""
         torch.set_num_threads(num_threads)
         self.tokenizer = load_tokenizer(model_path, key)
-        model = load_model(model_path, dtype, attn, key)
+        model = model if model is not None else load_model(model_path, dtype, attn, key)
         self.engine = make_engine(engine_type, model=model, eos_id=self.tokenizer.eos_token_id,
                                   pad_id=self.tokenizer.pad_token_id)
 
@@ -42,9 +44,11 @@ class RolloutWorker:
         if expect_version is not None and self.engine.weights_version != expect_version:
             raise RuntimeError(f"rollout engine holds weights version {self.engine.weights_version}, "
                                f"the policy is at {expect_version}: sync weights before sampling")
+        start = time.perf_counter()
         prompt_ids = encode_prompts(self.tokenizer, rows)
         out = self.engine.generate(prompt_ids, params, seed)
         batch = rollout_batch(rows, prompt_ids, out, params.n, self.tokenizer.pad_token_id, iteration)
+        batch.meta["gen_seconds"] = time.perf_counter() - start  # in the worker: the stage's compute
         if greedy_baseline:
             greedy = self.engine.generate(prompt_ids, replace(params, n=1, temperature=0.0), seed)
             batch = batch.union(baseline_responses=greedy.responses.repeat_interleave(params.n, 0),

@@ -1,7 +1,10 @@
 """MLflow tracking with embedded defaults: a SQLite file and an artifact folder in the project.
 
 `MLFLOW_TRACKING_URI` is honoured. Metric names are sanitised (MLflow rejects '@'), and each (metric, step)
-is logged once: one already logged is skipped, so a resumed run never logs a step twice.
+is logged once: one already logged is skipped, so a resumed run never logs a step twice. Per-step metrics
+are logged asynchronously (MLflow's logging queue, off the training loop); `flush()` waits for them, and the
+training flow flushes before each checkpoint, so a checkpoint never holds a step whose metrics are not
+stored (a crash loses at most the metrics of steps after it, which the resumed run logs again).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class Tracker:
             self.client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
         self._logged = self._already_logged()
+        self._pending: list = []  # MLflow RunOperations of metrics not yet known to be stored
 
     def _already_logged(self) -> set[tuple[str, int]]:
         run = self.client.get_run(self.run_id)
@@ -80,8 +84,9 @@ class Tracker:
 
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> bool:
-        """Log the metrics at `step` not logged there before, in batches; False when there was none new."""
+    def log_metrics(self, metrics: dict[str, float], step: int, synchronous: bool = False) -> bool:
+        """Log the metrics at `step` not logged there before, in batches, queued unless `synchronous`; False
+        when there was none new."""
         from mlflow.entities import Metric
         import time
 
@@ -89,9 +94,17 @@ class Tracker:
         fresh = {metric_name(k): float(v) for k, v in metrics.items() if (metric_name(k), step) not in self._logged}
         items = [Metric(k, v, now, step) for k, v in fresh.items()]
         for i in range(0, len(items), 500):
-            self.client.log_batch(self.run_id, metrics=items[i:i + 500])
+            op = self.client.log_batch(self.run_id, metrics=items[i:i + 500], synchronous=synchronous)
+            if op is not None:
+                self._pending.append(op)
         self._logged |= {(k, step) for k in fresh}
         return bool(fresh)
+
+    def flush(self) -> None:
+        """Wait until every queued metric is stored (raising the error of one that failed)."""
+        pending, self._pending = self._pending, []
+        for op in pending:
+            op.wait()
 
     def log_summary(self, metrics: dict[str, float]) -> None:
         """Metrics outside the per-iteration series (final evaluations), logged at step 0 of their own names."""
@@ -109,4 +122,12 @@ class Tracker:
         self.client.log_artifact(self.run_id, str(local_file), artifact_path)
 
     def end(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status=status)
+        """Store the queued metrics and close the run. A failing run closes even if they cannot be stored
+        (the error that failed it is the one to report)."""
+        try:
+            self.flush()
+        except Exception:
+            if status == "FINISHED":
+                raise
+        finally:
+            self.client.set_terminated(self.run_id, status=status)

@@ -15,7 +15,7 @@ from components.rollout.worker import RolloutWorker
 from components.training.distributed import GroupSpec
 from components.training.loop import balanced_shards
 from components.algorithms.presets import resolve
-from components.training.worker import PolicyWorker, ReferenceWorker
+from components.training.worker import ColocatedWorker, PolicyWorker, ReferenceWorker
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,9 +31,10 @@ def ensure_ray() -> None:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
         # logical CPUs beyond the cores, so a few policy workers and the rollout worker fit on a small machine
-        # (each runs trainer.num_threads threads); "local": a new instance even when `ray start` left its address
+        # (each runs trainer.num_threads threads); "local": a new instance even when `ray start` left its address;
+        # no idle workers started ahead (each is a Python process of ~90 MB that a run never uses)
         ray.init(address="local", num_cpus=max(8, os.cpu_count() or 2), include_dashboard=False, runtime_env=runtime_env,
-                 log_to_driver=True, configure_logging=False)
+                 log_to_driver=True, configure_logging=False, _system_config={"enable_worker_prestart": False, "worker_niceness": 0})
 
 
 class StageTimeout(TimeoutError):
@@ -81,6 +82,7 @@ class Workers:
     timeout_s: float = 1200.0
     pids: dict[str, list[int]] = field(default_factory=dict)
     reference: "ray.actor.ActorHandle | None" = None  # trainer.ref_placement=separate
+    colocated: bool = False  # the rollout engine is policy worker 0 (trainer.rollout_placement)
 
     def _get(self, role: str, method: str, refs: list):
         try:
@@ -113,7 +115,10 @@ class Workers:
 
     def push_weights(self) -> int:
         """Rank 0's (gathered) weights into the rollout engine straight through the object store (never the
-        driver, never disk); every policy worker takes part in the gather. Returns the weights version."""
+        driver, never disk); every policy worker takes part in the gather. Returns the weights version. A
+        colocated engine samples with the policy's own parameters: only the version moves."""
+        if self.colocated:
+            return self._get("policy", "share_weights", [self.policy[0].share_weights.remote()])[0]
         refs = [a.get_weights.options(num_returns=2).remote() for a in self.policy]
         weights, version = refs[0]
         done = self.rollout.update_weights.remote(weights, version)
@@ -146,13 +151,21 @@ def workers_that_fit(cfg: Config) -> int:
     return n
 
 
-def start_policy_group(cfg: Config, n: int) -> tuple[list, list[int]]:
-    """n PolicyWorker actors spread over the cluster, joined into one process group (rank 0's address)."""
+def colocate_rollout(cfg: Config, n: int) -> bool:
+    """trainer.rollout_placement resolved for n policy workers: auto colocates one worker with an hf engine."""
+    placement = cfg.trainer.rollout_placement
+    return placement == "colocate" or (placement == "auto" and n == 1 and cfg.engine.type == "hf")
+
+
+def start_policy_group(cfg: Config, n: int, colocated: bool = False) -> tuple[list, list[int]]:
+    """n PolicyWorker actors spread over the cluster, joined into one process group (rank 0's address);
+    with `colocated`, rank 0 also serves the rollout engine (ColocatedWorker)."""
     res = dict(cfg.trainer.worker_resources)
     num_cpus, num_gpus = res.pop("CPU", 0.0), res.pop("GPU", 0.0)
-    cls = ray.remote(max_restarts=0)(PolicyWorker)
-    actors = [cls.options(num_cpus=num_cpus, num_gpus=num_gpus, resources=res or None,
-                          scheduling_strategy="SPREAD").remote(cfg.model_dump()) for _ in range(n)]
+    classes = [ColocatedWorker if colocated and rank == 0 else PolicyWorker for rank in range(n)]
+    actors = [ray.remote(max_restarts=0)(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, resources=res or None,
+                                                      scheduling_strategy="SPREAD").remote(cfg.model_dump())
+              for cls in classes]
     addr, port = ray.get(actors[0].address.remote())
     backend = "nccl" if num_gpus else "gloo"
     specs = [GroupSpec(rank, n, addr, port, backend) for rank in range(n)]
@@ -172,21 +185,26 @@ def start_workers(cfg: Config) -> Workers:
                                                cfg.trainer.num_workers)
     # the policy workers are not restarted by Ray: the flow rebuilds the group from the last checkpoint; the
     # rollout actor is stateless but for its weights (pushed again after a restart)
-    policy, policy_pids = start_policy_group(cfg, n)
-    rollout = ray.remote(num_cpus=1, max_restarts=3)(RolloutWorker).remote(
-        m.path, cfg.engine.type, m.dtype, m.attention_implementation, cfg.trainer.num_threads)
-    pids = {"policy": policy_pids, "rollout": [ray.get(rollout.pid.remote())]}
+    colocated = colocate_rollout(cfg, n)
+    policy, policy_pids = start_policy_group(cfg, n, colocated)
+    if colocated:
+        rollout, pids = policy[0], {"policy": policy_pids, "rollout": policy_pids[:1]}
+    else:
+        rollout = ray.remote(num_cpus=1, max_restarts=3)(RolloutWorker).remote(
+            m.path, cfg.engine.type, m.dtype, m.attention_implementation, cfg.trainer.num_threads)
+        pids = {"policy": policy_pids, "rollout": [ray.get(rollout.pid.remote())]}
     reference = None
     if resolve(cfg.algorithm).needs_reference and cfg.trainer.ref_placement == "separate":
         res = dict(cfg.trainer.worker_resources)
         reference = ray.remote(num_cpus=res.pop("CPU", 0.0), num_gpus=res.pop("GPU", 0.0), resources=res or None,
                                max_restarts=3)(ReferenceWorker).remote(cfg.model_dump())
         pids["reference"] = [ray.get(reference.pid.remote())]
-    return Workers(policy, rollout, float(cfg.trainer.stage_timeout_s), pids, reference)
+    return Workers(policy, rollout, float(cfg.trainer.stage_timeout_s), pids, reference, colocated)
 
 
 def stop_workers(workers: Workers) -> None:
-    for actor in [*workers.policy, workers.rollout, *([workers.reference] if workers.reference else [])]:
+    rollout = [] if workers.colocated else [workers.rollout]
+    for actor in [*workers.policy, *rollout, *([workers.reference] if workers.reference else [])]:
         try:
             ray.kill(actor, no_restart=True)
         except ValueError:  # not an actor handle any more: nothing to kill

@@ -178,7 +178,9 @@ class PolicyWorker:
         return self.critic.update(batch) if self.critic is not None else {}
 
     def update(self, batch: Batch) -> dict[str, float]:
+        start = time.perf_counter()
         metrics = self.trainer.update(batch)
+        metrics["timing_s/update_actor_compute"] = time.perf_counter() - start  # in the worker (log-probs too)
         self.version += 1
         if self.compression is not None:
             metrics["perf/grad_compression"] = COMPRESSION_CODES[self.compression.name]
@@ -275,6 +277,38 @@ class PolicyWorker:
 
     def state(self) -> dict:
         return {"version": self.version, "steps": self.trainer.steps}
+
+
+class ColocatedWorker(PolicyWorker):
+    """Policy worker 0 that also serves the rollout engine (trainer.rollout_placement=colocate), sampling with
+    the policy's own parameters: a weight sync moves the version and copies nothing, and the run has one
+    process (and one copy of the model) fewer."""
+
+    def setup(self, spec: D.GroupSpec) -> int:
+        from components.rollout.worker import RolloutWorker
+
+        pid = super().setup(spec)
+        m = self.cfg.actor.model
+        self.rollout = RolloutWorker(m.path, self.cfg.engine.type, m.dtype, m.attention_implementation,
+                                     self.cfg.trainer.num_threads, model=D.unwrap(self.model))
+        return pid
+
+    def generate(self, *args, **kwargs) -> Batch:
+        return self.rollout.generate(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs) -> dict[str, float]:
+        return self.rollout.evaluate(*args, **kwargs)
+
+    def decode(self, batch: Batch) -> list[str]:
+        return self.rollout.decode(batch)
+
+    def weights_version(self) -> int:
+        return self.rollout.weights_version()
+
+    def share_weights(self) -> int:
+        """The engine holds this worker's parameters: mark them current at this version."""
+        self.rollout.engine.mark_current(self.version)
+        return self.version
 
 
 class ReferenceWorker:

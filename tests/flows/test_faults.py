@@ -163,7 +163,8 @@ def test_rollout_and_policy_workers_killed_mid_run(start, whole, monkeypatch):
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
-    info = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={out}"])
+    # a rollout actor of its own (the uninterrupted run samples in its policy worker: the same samples)
+    info = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={out}", "trainer.rollout_placement=separate"])
     thread.join(30)
     assert killed == {"rollout": 1, "policy": 1}, killed
     assert sorted(scored) == list(range(1, ITERATIONS + 1))  # each iteration's samples scored exactly once

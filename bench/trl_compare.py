@@ -1,0 +1,366 @@
+"""Seconds per GRPO step, ours against TRL's `GRPOTrainer`, same machine, same run, same model, data, reward
+and hyper-parameters; alternated A B A B.
+
+    python -m bench.trl_compare                          # W1 (beta 0 and 0.04) and W2, 2 pairs each
+    python -m bench.trl_compare --workloads w1 --pairs 1 --steps 10      # quicker
+
+Needs the `bench` extra (`pip install -e '.[bench]'`: TRL). W1: the default tiny model after SFT, 16 prompts x 8
+samples, up to 16 new tokens. W2: a ~25M-parameter model of the same architecture (wider, deeper; randomly
+initialised, so it samples the full 64 new tokens), 8 prompts x 8 samples. Temperature 1.0, one optimizer
+step per generation batch, AdamW at a constant learning rate, token-mean loss, clip 0.2, group-std scaled
+advantages; TRL runs on the CPU with `use_vllm=False`.
+
+Each run is its own process (ours: the real training flow, so Prefect tasks, Ray actors and MLflow logging are
+inside every step; TRL: its trainer). A step's time is the wall time between the ends of consecutive steps
+(ours from the MLflow timestamps of each step's metrics), the first step (warm-up) and our last one (which
+also runs the held-out test) left out. Held-out greedy accuracy of the start and of each final model is
+measured by the same evaluator. Prints Markdown tables and writes bench/results/trl_compare.json and
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+WORKLOADS = {
+    "w1": {"prompts": 16, "n": 8, "max_new": 16, "betas": (0.0, 0.04), "model": "sft"},
+    "w2": {"prompts": 8, "n": 8, "max_new": 64, "betas": (0.0,), "model": "wide", "hidden": 512, "layers": 6},
+}
+LR, CLIP, SEED = 1e-4, 0.2, 0
+WORK = Path("checkpoints/bench_trl")
+CONFIG = "configs/arith_grpo.yaml"
+
+
+def model_dir(w: str) -> Path:
+    return Path("checkpoints/sft") if WORKLOADS[w]["model"] == "sft" else WORK / f"{w}_model"
+
+
+def ensure_models(workloads: list[str]) -> None:
+    """The default data and SFT model (the flows `dvc repro` runs) and, for W2, the wide model."""
+    from components.config import load_config
+    from components.models import build_char_tokenizer, build_tiny_model, save_pretrained
+
+    cfg = load_config(CONFIG, [])
+    if not Path(cfg.data.train_path).is_file():
+        from flows.data import data_flow
+        data_flow(CONFIG, [])
+    if not (Path(cfg.sft.output_dir) / "config.json").is_file():
+        from flows.sft import sft_flow
+        sft_flow(CONFIG, [])
+    for w in workloads:
+        spec, out = WORKLOADS[w], model_dir(w)
+        if spec["model"] == "wide" and not (out / "config.json").is_file():
+            tok = build_char_tokenizer()
+            model = build_tiny_model(tok, hidden_size=spec["hidden"], num_layers=spec["layers"],
+                                     num_heads=spec["hidden"] // 64, intermediate_size=4 * spec["hidden"],
+                                     max_positions=128, seed=SEED)
+            save_pretrained(model, tok, out)
+
+
+def n_params(path: Path) -> int:
+    from components.models.loading import load_model
+
+    return sum(p.numel() for p in load_model(path).parameters())
+
+
+class PeakRSS:
+    """Peak of the summed resident memory of this process and its descendants (Ray's workers among them),
+    sampled every 50 ms, and of this process alone."""
+
+    def __init__(self):
+        import psutil
+
+        self.me = psutil.Process()
+        self.peak_tree = self.peak_self = 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            total = 0
+            try:
+                rss = self.me.memory_info().rss
+                total = rss + sum(c.memory_info().rss for c in self.me.children(recursive=True))
+            except psutil.Error:
+                continue
+            self.peak_self, self.peak_tree = max(self.peak_self, rss), max(self.peak_tree, total)
+            time.sleep(0.05)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        return {"peak_rss_gib": self.peak_tree / 2**30, "peak_rss_driver_gib": self.peak_self / 2**30}
+
+
+# ---------------------------------------------------------------- children: one training run each
+
+def child_ours(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> dict:
+    """The real training flow (Prefect, Ray, MLflow) for `steps` iterations; `extra`: more overrides."""
+    import mlflow
+
+    from flows.train import train_flow
+
+    spec = WORKLOADS[w]
+    overrides = [f"actor.model.path={model_dir(w)}", f"data.batch_size={spec['prompts']}", f"engine.n={spec['n']}",
+                 f"engine.max_new_tokens={spec['max_new']}", "engine.temperature=1.0", f"algorithm.kl_loss_coef={beta}",
+                 f"algorithm.clip_epsilon={CLIP}", f"actor.optimizer.lr={LR}", f"trainer.iterations={steps}",
+                 f"trainer.save_interval={steps}", f"trainer.test_interval={steps}", "trainer.eval_size=16",
+                 "trainer.eval_k=1", "trainer.save_optimizer=false", "trainer.resume_mode=disable",
+                 "trainer.progress=false", f"trainer.output_dir={out}", "trainer.experiment_name=bench-trl",
+                 f"actor.model.max_seq_len={16 + spec['max_new']}", *extra]
+    rss = PeakRSS()
+    info = train_flow(CONFIG, overrides, f"bench-trl-{w}")
+    mem = rss.stop()
+    client = mlflow.tracking.MlflowClient()
+    names = [k for k in client.get_run(info["run_id"]).data.metrics
+             if k.startswith(("timing_s/", "perf/")) or k in ("critic/score/mean", "response_length/mean")]
+    hist = {m: {x.step: x for x in client.get_metric_history(info["run_id"], m)} for m in names}
+    ends = {s: x.timestamp / 1000 for s, x in hist["critic/score/mean"].items()}
+    step_s = [ends[s] - ends[s - 1] for s in range(2, steps)]  # not the first (warm-up) nor the last (test)
+    stages = {k: statistics.median(h[s].value for s in range(2, steps) if s in h)
+              for k, h in hist.items() if k.startswith(("timing_s/", "perf/")) and any(s in h for s in range(2, steps))}
+    rows = spec["prompts"] * spec["n"]
+    return {"step_s": step_s, "reward": [hist["critic/score/mean"][s].value for s in sorted(ends)],
+            "gen_tokens": [hist["response_length/mean"][s].value * rows for s in sorted(ends)],
+            "stages": stages, "final_model": info["final_model"],
+            **mem}
+
+
+def child_trl(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> dict:
+    """TRL's GRPOTrainer on the CPU (use_vllm=False) with the same model, data, reward and settings."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from components.config import load_config
+    from components.data.io import read_rows, to_plain
+    from components.models.loading import load_tokenizer
+    from components.rewards.registry import scorer_for
+
+    spec = WORKLOADS[w]
+    cfg = load_config(CONFIG, [])
+    tok = load_tokenizer(model_dir(w))
+    rows = [to_plain(r) for r in read_rows(cfg.data.train_path).to_dict("records")]
+    data = Dataset.from_list([{"prompt": tok.apply_chat_template(list(r["prompt"]), add_generation_prompt=True,
+                                                                  tokenize=False),
+                               "ground_truth": r["reward_model"]["ground_truth"]} for r in rows])
+    score = scorer_for("arith", cfg.reward_model)
+
+    def reward(completions, ground_truth, **_):
+        return [score(c, g, {}) for c, g in zip(completions, ground_truth)]
+
+    timing = {"gen": [], "ends": []}
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *_a, **_k):
+            timing["ends"].append(time.perf_counter())
+
+    rows_per_step = spec["prompts"] * spec["n"]
+    args = GRPOConfig(
+        output_dir=str(out), use_cpu=True, bf16=False, fp16=False, seed=SEED, learning_rate=LR, weight_decay=0.0,
+        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999,
+        per_device_train_batch_size=rows_per_step, gradient_accumulation_steps=1, steps_per_generation=1,
+        num_generations=spec["n"], max_completion_length=spec["max_new"], temperature=1.0, top_p=1.0, top_k=0,
+        beta=beta, epsilon=CLIP, num_iterations=1, loss_type="dapo", scale_rewards="group", max_steps=steps,
+        logging_steps=1, save_strategy="no", report_to="none", use_vllm=False, dataloader_num_workers=0,
+        disable_tqdm=True, log_completions=False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir(w), dtype="float32", attn_implementation="sdpa")
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
+                          callbacks=[Clock()])
+    generate = trainer._generate  # timed, not changed
+
+    def timed_generate(*a, **k):
+        start = time.perf_counter()
+        result = generate(*a, **k)
+        timing["gen"].append(time.perf_counter() - start)
+        return result
+
+    trainer._generate = timed_generate
+    rss = PeakRSS()
+    start = time.perf_counter()
+    trainer.train()
+    mem = rss.stop()
+    ends = [start] + timing["ends"]
+    step_s = [ends[i] - ends[i - 1] for i in range(2, len(ends))]  # not the first (warm-up)
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    final = out / "final"
+    trainer.save_model(str(final))
+    tok.save_pretrained(str(final))
+    lengths = [h["completions/mean_length"] * rows_per_step for h in logs]
+    return {"step_s": step_s, "reward": [h["reward"] for h in logs], "gen_tokens": lengths,
+            "stages": {"timing_s/gen": statistics.median(timing["gen"][1:])}, "final_model": str(final), **mem}
+
+
+def run_child(framework: str, w: str, beta: float, steps: int, tag: str, extra: list[str]) -> dict:
+    out = WORK / f"{framework}_{w}_b{beta:g}_{tag}"
+    res = out / "result.json"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false",
+           "PREFECT_LOGGING_LEVEL": "WARNING", "RAY_DEDUP_LOGS": "1"}
+    cmd = [sys.executable, "-m", "bench.trl_compare", "--child", framework, "--workload", w, "--beta", str(beta),
+           "--steps", str(steps), "--child-out", str(out)] + \
+        (["--ours-overrides", *extra] if framework == "ours" and extra else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0 or not res.is_file():
+        raise RuntimeError(f"{framework} {w} beta={beta} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(res.read_text())
+
+
+# ---------------------------------------------------------------- figures
+
+def matmul_flops(threads: int, size: int = 1024, seconds: float = 2.0) -> float:
+    """The machine's float32 matmul FLOP/s with `threads` threads (median of repeated timings)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    for _ in range(3):
+        a @ b
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    return 2 * size ** 3 / statistics.median(times)
+
+
+def evaluate_acc(path: str, n_eval: int, max_new: int) -> float:
+    from components.config import load_config
+    from components.data.io import read_rows, to_plain
+    from components.evaluation import evaluate
+    from components.rollout.worker import RolloutWorker
+
+    cfg = load_config(CONFIG, [])
+    rows = [to_plain(r) for r in read_rows(cfg.data.eval_path).to_dict("records")][:n_eval]
+    return evaluate(RolloutWorker(path), rows, cfg.reward_model, 1, max_new, SEED)["val/acc"]
+
+
+def summarize(r: dict, rows_per_step: int, params: int, flops: float) -> dict:
+    """Medians of a run: s/step, rollout tokens/s (generated tokens over generation time) and its fraction of
+    the compute bound (2 x params FLOPs per generated token), update tokens/s (prompt + response tokens over
+    the rest of the step) and its fraction of the bound (6 x params per token)."""
+    step = statistics.median(r["step_s"])
+    gen_s = r["stages"].get("timing_s/gen", float("nan"))
+    gen_tokens = statistics.median(r["gen_tokens"])
+    rollout_tps = gen_tokens / gen_s
+    upd_s = r["stages"].get("timing_s/update_actor", step - gen_s)
+    upd_tps = (gen_tokens + rows_per_step * 8) / upd_s  # ~8 prompt tokens per row ("12+34=")
+    return {"s_per_step": step, "min_s": min(r["step_s"]), "max_s": max(r["step_s"]), "rollout_tps": rollout_tps,
+            "rollout_frac": rollout_tps * 2 * params / flops, "update_tps": upd_tps,
+            "update_frac": upd_tps * 6 * params / flops, "peak_rss_gib": r["peak_rss_gib"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", nargs="+", default=["w1", "w2"], choices=sorted(WORKLOADS))
+    p.add_argument("--pairs", type=int, default=2, help="A B pairs per setting")
+    p.add_argument("--steps", type=int, default=20, help="GRPO steps per run (W1)")
+    p.add_argument("--w2-steps", type=int, default=6, help="GRPO steps per run (W2)")
+    p.add_argument("--eval-rows", type=int, default=200)
+    p.add_argument("--out", default="bench/results/trl_compare.json")
+    p.add_argument("--doc", default="docs/benchmarks.md")
+    p.add_argument("--ours-overrides", nargs="*", default=[], help="extra key=value overrides for our runs")
+    p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--workload", help=argparse.SUPPRESS)
+    p.add_argument("--beta", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        out = Path(a.child_out)
+        out.mkdir(parents=True, exist_ok=True)
+        result = (child_ours if a.child == "ours" else child_trl)(a.workload, a.beta, a.steps, out, a.ours_overrides)
+        (out / "result.json").write_text(json.dumps(result))
+        return
+
+    import torch
+    import transformers
+    import trl
+
+    ensure_models(a.workloads)
+    flops = matmul_flops(2)
+    print(f"matmul: {flops / 1e9:.1f} GFLOP/s (float32, 2 threads)", flush=True)
+    results = []
+    for w in a.workloads:
+        spec = WORKLOADS[w]
+        params, steps = n_params(model_dir(w)), a.steps if w == "w1" else a.w2_steps
+        start_acc = evaluate_acc(str(model_dir(w)), a.eval_rows, spec["max_new"])
+        for beta in spec["betas"]:
+            pairs = []
+            for i in range(a.pairs):
+                pair = {}
+                for fw in ("trl", "ours") if i % 2 == 0 else ("ours", "trl"):  # A B, then B A
+                    r = run_child(fw, w, beta, steps, str(i), a.ours_overrides)
+                    r["summary"] = summarize(r, spec["prompts"] * spec["n"], params, flops)
+                    r["acc"] = evaluate_acc(r.pop("final_model"), a.eval_rows, spec["max_new"])
+                    pair[fw] = r
+                    print(f"{w} beta={beta:g} pair {i} {fw}: {r['summary']['s_per_step']:.3f} s/step, "
+                          f"acc {start_acc:.3f} -> {r['acc']:.3f}", flush=True)
+                pair["ratio"] = pair["ours"]["summary"]["s_per_step"] / pair["trl"]["summary"]["s_per_step"]
+                pairs.append(pair)
+            results.append({"workload": w, "beta": beta, "params": params, "steps": steps, "start_acc": start_acc,
+                            "pairs": pairs, "median_ratio": statistics.median(p["ratio"] for p in pairs)})
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
+            f"{os.cpu_count()} cores", "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "trl": trl.__version__, "matmul_gflops": flops / 1e9,
+            "command": "python -m bench.trl_compare " + " ".join(argv if argv is not None else sys.argv[1:])}
+    text = report(results, meta)
+    print("\n" + text)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    Path(a.doc).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.doc).write_text(text)
+
+
+def _med(values) -> float:
+    return statistics.median(list(values))
+
+
+def report(results: list[dict], meta: dict) -> str:
+    lines = ["# reinforge vs TRL GRPOTrainer\n", f"{meta['date']}, {meta['machine']}, Python {meta['python']}, "
+             f"torch {meta['torch']}, transformers {meta['transformers']}, TRL {meta['trl']}; float32 matmul "
+             f"{meta['matmul_gflops']:.1f} GFLOP/s (2 threads). Command: `{meta['command']}`.\n",
+             "Medians over steps, then over the A/B pairs; ratio = ours / TRL seconds per step, per pair.\n",
+             "| workload | beta | params | s/step TRL (min-max) | s/step ours (min-max) | ours/TRL | rollout tok/s "
+             "TRL / ours | ours % of rollout bound | update tok/s TRL / ours | ours % of update bound | peak RSS "
+             "GiB TRL / ours | held-out acc start -> TRL / ours |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        t = [p["trl"]["summary"] for p in r["pairs"]]
+        o = [p["ours"]["summary"] for p in r["pairs"]]
+        lines.append(
+            f"| {r['workload']} | {r['beta']:g} | {r['params'] / 1e6:.1f} M | {_med(s['s_per_step'] for s in t):.3f} "
+            f"({min(s['min_s'] for s in t):.3f}-{max(s['max_s'] for s in t):.3f}) | "
+            f"{_med(s['s_per_step'] for s in o):.3f} ({min(s['min_s'] for s in o):.3f}-"
+            f"{max(s['max_s'] for s in o):.3f}) | **{r['median_ratio']:.2f}** | "
+            f"{_med(s['rollout_tps'] for s in t):.0f} / {_med(s['rollout_tps'] for s in o):.0f} | "
+            f"{100 * _med(s['rollout_frac'] for s in o):.0f} % | {_med(s['update_tps'] for s in t):.0f} / "
+            f"{_med(s['update_tps'] for s in o):.0f} | {100 * _med(s['update_frac'] for s in o):.0f} % | "
+            f"{max(s['peak_rss_gib'] for s in t):.2f} / {max(s['peak_rss_gib'] for s in o):.2f} | "
+            f"{r['start_acc']:.3f} -> {_med(p['trl']['acc'] for p in r['pairs']):.3f} / "
+            f"{_med(p['ours']['acc'] for p in r['pairs']):.3f} |")
+    lines += ["\n## Our step, stage by stage (median seconds)\n"]
+    keys = sorted({k for r in results for p in r["pairs"] for k in p["ours"]["stages"]})
+    lines += ["| workload | beta | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+    for r in results:
+        st = [p["ours"]["stages"] for p in r["pairs"]]
+        lines.append(f"| {r['workload']} | {r['beta']:g} | " + " | ".join(
+            f"{_med(s.get(k, float('nan')) for s in st):.4f}" for k in keys) + " |")
+    lines += ["\n## Reward per step (first pair)\n", "| workload | beta | framework | rewards |", "|---|---|---|---|"]
+    for r in results:
+        for fw in ("trl", "ours"):
+            rw = r["pairs"][0][fw]["reward"]
+            lines.append(f"| {r['workload']} | {r['beta']:g} | {fw} | {' '.join(f'{x:.2f}' for x in rw)} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

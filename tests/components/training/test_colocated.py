@@ -1,0 +1,48 @@
+"""trainer.rollout_placement: an engine colocated in the policy worker samples with the policy's own
+parameters (a weight sync copies nothing) and gives exactly the samples of an engine in an actor of its own,
+before and after an update; a stale engine is refused either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from components.data.formats import make_row
+from components.errors import ConfigError
+from components.rollout.base import SamplingParams
+from components.training.ray_workers import start_workers, stop_workers
+from tests.components.training.test_actor import synthetic_batch
+from tests.components.training.test_distributed import config, ray_up  # noqa: F401 (fixture)
+
+ROWS = [make_row("arith", f"{a}+{b}=", f"#### {a + b}", str(a + b), "train", i)
+        for i, (a, b) in enumerate([(1, 2), (10, 31), (7, 7)])]
+PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
+
+
+def samples(placement: str, model_dir, tokenizer) -> tuple[bool, list[torch.Tensor]]:
+    workers = start_workers(config(model_dir, f"trainer.rollout_placement={placement}"))
+    try:
+        before = workers.call("rollout", "generate", ROWS, PARAMS, 7, 1, 0)
+        workers.call("policy", "update", synthetic_batch(tokenizer, seed=0))
+        with pytest.raises(RuntimeError, match="sync weights before sampling"):
+            workers.call("rollout", "generate", ROWS, PARAMS, 7, 2, 1)  # the update made version 1
+        version = workers.push_weights()
+        after = workers.call("rollout", "generate", ROWS, PARAMS, 7, 2, version)
+        assert version == 1 and workers.call("rollout", "weights_version") == 1
+        return workers.colocated, [b.tensors[k] for b in (before, after) for k in ("responses", "rollout_logprobs")]
+    finally:
+        stop_workers(workers)
+
+
+def test_colocated_engine_samples_as_a_separate_one_and_follows_updates(ray_up, tiny_model_dir, tokenizer):
+    colocated, shared = samples("auto", tiny_model_dir, tokenizer)  # auto: one worker, hf -> colocated
+    separate, copied = samples("separate", tiny_model_dir, tokenizer)
+    assert colocated and not separate
+    for a, b in zip(shared, copied):
+        assert a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=1e-5)
+    assert not torch.allclose(shared[1], shared[3])  # the update reached the colocated engine's log-probs
+
+
+def test_colocation_needs_one_worker_and_the_hf_engine(tiny_model_dir):
+    with pytest.raises(ConfigError, match="trainer.rollout_placement=colocate"):
+        config(tiny_model_dir, "trainer.rollout_placement=colocate", "trainer.num_workers=2")
