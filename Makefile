@@ -7,6 +7,7 @@ STAMP  := $(VENV)/.installed
 export PYTHONWARNINGS := ignore
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_LOGGING_LEVEL ?= WARNING
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export RAY_DEDUP_LOGS := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 

@@ -74,7 +74,7 @@ def n_params(path: Path) -> int:
 
 class PeakRSS:
     """Peak of the summed resident memory of this process and its descendants (Ray's workers among them),
-    sampled every 50 ms, and of this process alone."""
+    sampled every 200 ms (a light touch on a 2-core machine), and of this process alone."""
 
     def __init__(self):
         import psutil
@@ -95,7 +95,7 @@ class PeakRSS:
             except psutil.Error:
                 continue
             self.peak_self, self.peak_tree = max(self.peak_self, rss), max(self.peak_tree, total)
-            time.sleep(0.05)
+            time.sleep(0.2)
 
     def stop(self) -> dict:
         self._stop.set()
@@ -205,7 +205,8 @@ def run_child(framework: str, w: str, beta: float, steps: int, tag: str, extra: 
     out = WORK / f"{framework}_{w}_b{beta:g}_{tag}"
     res = out / "result.json"
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false",
-           "PREFECT_LOGGING_LEVEL": "WARNING", "RAY_DEDUP_LOGS": "1"}
+           "PREFECT_LOGGING_LEVEL": "WARNING", "RAY_DEDUP_LOGS": "1",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     cmd = [sys.executable, "-m", "bench.trl_compare", "--child", framework, "--workload", w, "--beta", str(beta),
            "--steps", str(steps), "--child-out", str(out)] + \
         (["--ours-overrides", *extra] if framework == "ours" and extra else [])

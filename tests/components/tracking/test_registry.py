@@ -32,10 +32,12 @@ def test_steps_are_logged_once_and_names_sanitised(tmp_path, monkeypatch):
     t = Tracker("steps", "r")
     assert t.log_metrics({"val/arith/acc_mean@4": 0.5}, 1)
     assert not t.log_metrics({"val/arith/acc_mean@4": 0.9}, 1)  # a second log of step 1 is refused
+    t.flush()  # metrics are queued; a run is resumed after its checkpoint, which flushes them first
     resumed = Tracker("steps", "r", run_id=t.run_id)  # a resumed run knows which (metric, step) it has
     assert not resumed.log_metrics({"val/arith/acc_mean@4": 0.7}, 1)
     assert resumed.log_metrics({"x": 1.0}, 1) and resumed.log_metrics({"x": 1.0}, 2)
     assert not resumed.log_metrics({"x": 3.0}, 2)
+    resumed.flush()
     hist = resumed.client.get_metric_history(t.run_id, "val/arith/acc_mean_at_4")
     assert [(m.step, m.value) for m in hist] == [(1, 0.5)]
     assert metric_name("a@b:c") == "a_at_b_c"
