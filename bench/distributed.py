@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from components.config import load_config
 from components.data.io import write_json
 from components.models import build_char_tokenizer, build_tiny_model, save_pretrained
 from components.training.loop import micro_batches, padded_tokens
+from bench.memory import PeakSampler, rss_of
 
 
 def mixed_batch(vocab: int, rows: int, prompt_len: int, max_resp: int, seed: int = 0) -> Batch:
@@ -51,9 +51,9 @@ def timed_updates(cfg, batch: Batch, n_workers: int, repeats: int) -> dict:
     actors, pids = start_policy_group(cfg, n_workers)
     workers = Workers(actors, None, 3600.0, {"policy": pids})
     try:
-        setup = Sampler(pids).start  # model (and reference) loaded, no optimizer state yet
+        setup = rss_of(pids)()  # model (and reference) loaded, no optimizer state yet
         workers.call("policy", "update", batch)  # warm-up
-        peaks = Sampler(pids)
+        peaks = PeakSampler(rss_of(pids), 0.02)
         times = []
         with peaks:
             for _ in range(repeats):
@@ -65,33 +65,6 @@ def timed_updates(cfg, batch: Batch, n_workers: int, repeats: int) -> dict:
                 "update_rss_gib": [round((p - s) / 2**30, 3) for p, s in zip(peaks.peak, setup)], "metrics": metrics}
     finally:
         stop_workers(Workers(actors, actors[0]))
-
-
-class Sampler:
-    """Peak resident memory of each pid, sampled every 20 ms while the block runs."""
-
-    def __init__(self, pids: list[int]):
-        import psutil
-
-        self.procs = [psutil.Process(p) for p in pids]
-        self.start = [p.memory_info().rss for p in self.procs]
-        self.peak = list(self.start)
-        self._stop = threading.Event()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for i, p in enumerate(self.procs):
-                self.peak[i] = max(self.peak[i], p.memory_info().rss)
-            time.sleep(0.02)
-
-    def __enter__(self):
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
 
 
 SETTINGS = [  # (name, workers, overrides)

@@ -27,9 +27,10 @@ import platform
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+from bench.memory import PeakSampler, rss_of_tree
 
 WORKLOADS = {
     "w1": {"prompts": 16, "n": 8, "max_new": 16, "betas": (0.0, 0.04), "model": "sft"},
@@ -66,40 +67,27 @@ def ensure_models(workloads: list[str]) -> None:
             save_pretrained(model, tok, out)
 
 
+def mean_prompt_tokens(w: str) -> float:
+    """Prompt tokens per row, averaged over the training data (as both trainers tokenize it)."""
+    from components.config import load_config
+    from components.data.io import read_rows, to_plain
+    from components.models.loading import load_tokenizer
+    from components.rl import encode_prompts
+
+    rows = [to_plain(r) for r in read_rows(load_config(CONFIG, []).data.train_path).to_dict("records")]
+    return statistics.mean(map(len, encode_prompts(load_tokenizer(model_dir(w)), rows)))
+
+
 def n_params(path: Path) -> int:
     from components.models.loading import load_model
 
     return sum(p.numel() for p in load_model(path).parameters())
 
 
-class PeakRSS:
-    """Peak of the summed resident memory of this process and its descendants (Ray's workers among them),
-    sampled every 200 ms (a light touch on a 2-core machine), and of this process alone."""
-
-    def __init__(self):
-        import psutil
-
-        self.me = psutil.Process()
-        self.peak_tree = self.peak_self = 0
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        import psutil
-
-        while not self._stop.is_set():
-            total = 0
-            try:
-                rss = self.me.memory_info().rss
-                total = rss + sum(c.memory_info().rss for c in self.me.children(recursive=True))
-            except psutil.Error:
-                continue
-            self.peak_self, self.peak_tree = max(self.peak_self, rss), max(self.peak_tree, total)
-            time.sleep(0.2)
-
-    def stop(self) -> dict:
-        self._stop.set()
-        return {"peak_rss_gib": self.peak_tree / 2**30, "peak_rss_driver_gib": self.peak_self / 2**30}
+def peak_memory(rss: PeakSampler) -> dict:
+    """Peak RSS (GiB) of this process with its descendants (Ray's workers among them), and of this process."""
+    own, tree = rss.peak
+    return {"peak_rss_gib": tree / 2**30, "peak_rss_driver_gib": own / 2**30}
 
 
 # ---------------------------------------------------------------- children: one training run each
@@ -118,9 +106,9 @@ def child_ours(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> 
                  "trainer.eval_k=1", "trainer.save_optimizer=false", "trainer.resume_mode=disable",
                  "trainer.progress=false", f"trainer.output_dir={out}", "trainer.experiment_name=bench-trl",
                  f"actor.model.max_seq_len={16 + spec['max_new']}", *extra]
-    rss = PeakRSS()
-    info = train_flow(CONFIG, overrides, f"bench-trl-{w}")
-    mem = rss.stop()
+    with PeakSampler(rss_of_tree, 0.2) as rss:  # every 200 ms: a light touch on a 2-core machine
+        info = train_flow(CONFIG, overrides, f"bench-trl-{w}")
+    mem = peak_memory(rss)
     client = mlflow.tracking.MlflowClient()
     names = [k for k in client.get_run(info["run_id"]).data.metrics
              if k.startswith(("timing_s/", "perf/")) or k in ("critic/score/mean", "response_length/mean")]
@@ -186,10 +174,10 @@ def child_trl(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> d
         return result
 
     trainer._generate = timed_generate
-    rss = PeakRSS()
-    start = time.perf_counter()
-    trainer.train()
-    mem = rss.stop()
+    with PeakSampler(rss_of_tree, 0.2) as rss:
+        start = time.perf_counter()
+        trainer.train()
+    mem = peak_memory(rss)
     ends = [start] + timing["ends"]
     step_s = [ends[i] - ends[i - 1] for i in range(2, len(ends))]  # not the first (warm-up)
     logs = [h for h in trainer.state.log_history if "reward" in h]
@@ -245,7 +233,7 @@ def evaluate_acc(path: str, n_eval: int, max_new: int) -> float:
     return evaluate(RolloutWorker(path), rows, cfg.reward_model, 1, max_new, SEED)["val/acc"]
 
 
-def summarize(r: dict, rows_per_step: int, params: int, flops: float) -> dict:
+def summarize(r: dict, rows_per_step: int, prompt_tokens: float, params: int, flops: float) -> dict:
     """Medians of a run: s/step, rollout tokens/s (generated tokens over generation time) and its fraction of
     the compute bound (2 x params FLOPs per generated token), update tokens/s (prompt + response tokens over
     the rest of the step) and its fraction of the bound (6 x params per token)."""
@@ -254,7 +242,7 @@ def summarize(r: dict, rows_per_step: int, params: int, flops: float) -> dict:
     gen_tokens = statistics.median(r["gen_tokens"])
     rollout_tps = gen_tokens / gen_s
     upd_s = r["stages"].get("timing_s/update_actor", step - gen_s)
-    upd_tps = (gen_tokens + rows_per_step * 8) / upd_s  # ~8 prompt tokens per row ("12+34=")
+    upd_tps = (gen_tokens + rows_per_step * prompt_tokens) / upd_s
     return {"s_per_step": step, "min_s": min(r["step_s"]), "max_s": max(r["step_s"]), "rollout_tps": rollout_tps,
             "rollout_frac": rollout_tps * 2 * params / flops, "update_tps": upd_tps,
             "update_frac": upd_tps * 6 * params / flops, "peak_rss_gib": r["peak_rss_gib"]}
@@ -293,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     for w in a.workloads:
         spec = WORKLOADS[w]
         params, steps = n_params(model_dir(w)), a.steps if w == "w1" else a.w2_steps
+        prompt_tokens = mean_prompt_tokens(w)
         start_acc = evaluate_acc(str(model_dir(w)), a.eval_rows, spec["max_new"])
         for beta in spec["betas"]:
             pairs = []
@@ -300,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
                 pair = {}
                 for fw in ("trl", "ours") if i % 2 == 0 else ("ours", "trl"):  # A B, then B A
                     r = run_child(fw, w, beta, steps, str(i), a.ours_overrides)
-                    r["summary"] = summarize(r, spec["prompts"] * spec["n"], params, flops)
+                    r["summary"] = summarize(r, spec["prompts"] * spec["n"], prompt_tokens, params, flops)
                     r["acc"] = evaluate_acc(r.pop("final_model"), a.eval_rows, spec["max_new"])
                     pair[fw] = r
                     print(f"{w} beta={beta:g} pair {i} {fw}: {r['summary']['s_per_step']:.3f} s/step, "

@@ -33,12 +33,17 @@ from tasks.tracking import checkpoint_metrics, finalize, find_checkpoint, log_me
     run_fingerprint, save_checkpoint, start_run
 
 
+def _add_time(timings: dict, name: str, seconds: float) -> None:
+    """Add seconds to timing_s/{name} (stages that repeat add up)."""
+    key = f"timing_s/{name}"
+    timings[key] = timings.get(key, 0.0) + seconds
+
+
 def _timed(timings: dict, name: str, fn, *args):
-    """Run fn(*args), adding its seconds to timing_s/{name} (stages that repeat add up)."""
+    """Run fn(*args), adding its seconds to timing_s/{name}."""
     start = time.perf_counter()
     out = fn(*args)
-    key = f"timing_s/{name}"
-    timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
+    _add_time(timings, name, time.perf_counter() - start)
     return out
 
 
@@ -47,7 +52,7 @@ def _collect_batch(timings, workers, sampler, train_rows, tokenizer, cfg, it, ve
     def one_round(round_: int):
         rows = [train_rows[i] for i in sampler.next_indices()]
         batch = _timed(timings, "gen", generate_rollouts, workers, rows, cfg, it, version, round_)
-        timings["timing_s/gen_compute"] = timings.get("timing_s/gen_compute", 0.0) + batch.meta.get("gen_seconds", 0.0)
+        _add_time(timings, "gen_compute", batch.meta.get("gen_seconds", 0.0))  # the rollout worker's own part
         return _timed(timings, "reward", score_rewards, batch, tokenizer, cfg)
 
     batch, metrics = one_round(0)

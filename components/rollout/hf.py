@@ -29,17 +29,19 @@ class HFEngine:
         self.eos_id, self.pad_id = eos_id, pad_id
         self.weights_version = 0
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+    def _check_newer(self, version: int) -> None:
         if version < self.weights_version:
             raise ValueError(f"weights version {version} is older than the engine's {self.weights_version}")
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        self._check_newer(version)
         self.model.load_state_dict(state_dict, strict=True)
         self.weights_version = version
 
     def mark_current(self, version: int) -> None:
         """The engine samples with the policy's own module (colocated): its weights are already the policy's,
         only the version moves."""
-        if version < self.weights_version:
-            raise ValueError(f"weights version {version} is older than the engine's {self.weights_version}")
+        self._check_newer(version)
         self.weights_version = version
 
     @torch.inference_mode()

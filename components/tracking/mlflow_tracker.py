@@ -84,9 +84,9 @@ class Tracker:
 
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
-    def log_metrics(self, metrics: dict[str, float], step: int, synchronous: bool = False) -> bool:
-        """Log the metrics at `step` not logged there before, in batches, queued unless `synchronous`; False
-        when there was none new."""
+    def log_metrics(self, metrics: dict[str, float], step: int) -> bool:
+        """Queue the metrics at `step` not logged there before, in batches (flush() stores them); False when
+        there was none new."""
         from mlflow.entities import Metric
         import time
 
@@ -94,7 +94,7 @@ class Tracker:
         fresh = {metric_name(k): float(v) for k, v in metrics.items() if (metric_name(k), step) not in self._logged}
         items = [Metric(k, v, now, step) for k, v in fresh.items()]
         for i in range(0, len(items), 500):
-            op = self.client.log_batch(self.run_id, metrics=items[i:i + 500], synchronous=synchronous)
+            op = self.client.log_batch(self.run_id, metrics=items[i:i + 500], synchronous=False)
             if op is not None:
                 self._pending.append(op)
         self._logged |= {(k, step) for k in fresh}

@@ -1,0 +1,49 @@
+"""Peak resident memory sampled in a background thread while a block runs: the benchmarks' one sampler."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import psutil
+
+
+class PeakSampler:
+    """Element-wise peak of `measure()` (a list of byte counts) sampled every `interval_s` while the `with`
+    block runs; `start` holds the first sample. A process that ends between two samples skips that sample."""
+
+    def __init__(self, measure: Callable[[], list[int]], interval_s: float):
+        self.measure, self.interval_s = measure, interval_s
+        self.start = list(measure())
+        self.peak = list(self.start)
+        self._stop = threading.Event()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                values = self.measure()
+            except psutil.Error:
+                continue
+            self.peak = [max(p, v) for p, v in zip(self.peak, values)]
+
+    def __enter__(self) -> "PeakSampler":
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def rss_of(pids: list[int]) -> Callable[[], list[int]]:
+    """The RSS of each of these processes."""
+    procs = [psutil.Process(p) for p in pids]
+    return lambda: [p.memory_info().rss for p in procs]
+
+
+def rss_of_tree() -> list[int]:
+    """[this process's RSS, its RSS plus that of all its descendants (Ray's and Prefect's processes)]."""
+    me = psutil.Process()
+    own = me.memory_info().rss
+    return [own, own + sum(c.memory_info().rss for c in me.children(recursive=True))]
