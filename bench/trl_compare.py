@@ -85,9 +85,10 @@ def n_params(path: Path) -> int:
 
 
 def peak_memory(rss: PeakSampler) -> dict:
-    """Peak RSS (GiB) of this process with its descendants (Ray's workers among them), and of this process."""
-    own, tree = rss.peak
-    return {"peak_rss_gib": tree / 2**30, "peak_rss_driver_gib": own / 2**30}
+    """Peak RSS (GiB) of this process with its descendants (Ray's workers among them), their peak PSS (shared
+    pages counted once), and this process's peak RSS."""
+    own, tree, pss = rss.peak
+    return {"peak_rss_gib": tree / 2**30, "peak_pss_gib": pss / 2**30, "peak_rss_driver_gib": own / 2**30}
 
 
 # ---------------------------------------------------------------- children: one training run each
@@ -245,7 +246,8 @@ def summarize(r: dict, rows_per_step: int, prompt_tokens: float, params: int, fl
     upd_tps = (gen_tokens + rows_per_step * prompt_tokens) / upd_s
     return {"s_per_step": step, "min_s": min(r["step_s"]), "max_s": max(r["step_s"]), "rollout_tps": rollout_tps,
             "rollout_frac": rollout_tps * 2 * params / flops, "update_tps": upd_tps,
-            "update_frac": upd_tps * 6 * params / flops, "peak_rss_gib": r["peak_rss_gib"]}
+            "update_frac": upd_tps * 6 * params / flops, "peak_rss_gib": r["peak_rss_gib"],
+            "peak_pss_gib": r.get("peak_pss_gib", float("nan"))}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -310,6 +312,13 @@ def main(argv: list[str] | None = None) -> None:
     Path(a.doc).write_text(text)
 
 
+def orchestration(stages: dict) -> tuple[float, float]:
+    """(seconds, fraction of the step) of our step spent outside the workers' rollout and update compute."""
+    step = stages["timing_s/step"]
+    rest = step - stages.get("timing_s/gen_compute", 0.0) - stages.get("timing_s/update_actor_compute", 0.0)
+    return rest, rest / step
+
+
 def _med(values) -> float:
     return statistics.median(list(values))
 
@@ -321,8 +330,8 @@ def report(results: list[dict], meta: dict) -> str:
              "Medians over steps, then over the A/B pairs; ratio = ours / TRL seconds per step, per pair.\n",
              "| workload | beta | params | s/step TRL (min-max) | s/step ours (min-max) | ours/TRL | rollout tok/s "
              "TRL / ours | ours % of rollout bound | update tok/s TRL / ours | ours % of update bound | peak RSS "
-             "GiB TRL / ours | held-out acc start -> TRL / ours |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "GiB TRL / ours | peak PSS GiB TRL / ours | held-out acc start -> TRL / ours |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         t = [p["trl"]["summary"] for p in r["pairs"]]
         o = [p["ours"]["summary"] for p in r["pairs"]]
@@ -335,6 +344,7 @@ def report(results: list[dict], meta: dict) -> str:
             f"{100 * _med(s['rollout_frac'] for s in o):.0f} % | {_med(s['update_tps'] for s in t):.0f} / "
             f"{_med(s['update_tps'] for s in o):.0f} | {100 * _med(s['update_frac'] for s in o):.0f} % | "
             f"{max(s['peak_rss_gib'] for s in t):.2f} / {max(s['peak_rss_gib'] for s in o):.2f} | "
+            f"{max(s['peak_pss_gib'] for s in t):.2f} / {max(s['peak_pss_gib'] for s in o):.2f} | "
             f"{r['start_acc']:.3f} -> {_med(p['trl']['acc'] for p in r['pairs']):.3f} / "
             f"{_med(p['ours']['acc'] for p in r['pairs']):.3f} |")
     lines += ["\n## Our step, stage by stage (median seconds)\n"]
@@ -344,6 +354,13 @@ def report(results: list[dict], meta: dict) -> str:
         st = [p["ours"]["stages"] for p in r["pairs"]]
         lines.append(f"| {r['workload']} | {r['beta']:g} | " + " | ".join(
             f"{_med(s.get(k, float('nan')) for s in st):.4f}" for k in keys) + " |")
+    lines += ["\nOrchestration = timing_s/step - timing_s/gen_compute - timing_s/update_actor_compute (the rollout "
+              "and the update as timed inside the worker; the reward stage, whose scoring takes well under a "
+              "millisecond here, counts as orchestration):\n"]
+    for r in results:
+        orch = [orchestration(p["ours"]["stages"]) for p in r["pairs"]]
+        lines.append(f"- {r['workload']} beta {r['beta']:g}: {_med(o[0] for o in orch):.4f} s per step, "
+                     f"{100 * _med(o[1] for o in orch):.1f} % of the step")
     lines += ["\n## Reward per step (first pair)\n", "| workload | beta | framework | rewards |", "|---|---|---|---|"]
     for r in results:
         for fw in ("trl", "ours"):

@@ -1,5 +1,5 @@
 """The RL training flow: gen -> reward -> [old_log_prob/ref/values] -> adv -> [update_critic] ->
-update_actor -> update_weights -> testing -> checkpoint.
+update_actor (and the weight sync) -> testing -> checkpoint.
 
 Every stage is a task; this flow only orders them, times them and decides when to test and save. With
 DAPO's dynamic sampling, gen and reward repeat (up to algorithm.max_num_gen_batches rounds) until the batch
@@ -24,7 +24,7 @@ from components.tracking import checkpoints
 from components.rl import concat_rounds, first_groups, informative_rows
 from components.progress import console, iteration_line, progress_bar
 from components.training.ray_workers import rebuild_workers, stop_workers
-from flows._args import check_config, config_parser, run_cli
+from flows._args import check_config, config_parser, run_cli, yield_prefect_server
 from tasks.data import load_datasets
 from tasks.common import is_transient, logger
 from tasks.rl import compute_advantages, evaluate_policy, generate_rollouts, prepare_batch, score_rewards, \
@@ -90,6 +90,7 @@ def _restore(workers, ckpt: str | None, state: dict, sampler: PromptSampler, kl_
 def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | None = None, pipeline: str = "",
                pipeline_version: str = "") -> dict:
     started = time.perf_counter()
+    yield_prefect_server()
     cfg = load_config(config, overrides or [])
     t = cfg.trainer
     train_rows, eval_rows = load_datasets(cfg)
@@ -128,8 +129,7 @@ def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | N
                         kl_ctrl.update(m_adv["actor/reward_kl_penalty"], len(batch))
                     m_critic = _timed(timings, "update_critic", update_critic, workers, batch) \
                         if algo.needs_critic else {}
-                    m_actor = _timed(timings, "update_actor", update_policy, workers, batch)
-                    version = _timed(timings, "update_weights", sync_weights, workers)
+                    m_actor, version = update_policy(workers, batch)  # its own timing_s/update_actor, _weights
                     metrics = {**m_reward, **m_adv, **m_critic, **m_actor}
                     if it % t.test_interval == 0 or it == t.iterations:
                         metrics.update(_timed(timings, "testing", evaluate_policy, workers, eval_rows, cfg))

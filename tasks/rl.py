@@ -12,7 +12,7 @@ from components.rollout.base import SamplingParams
 from components.training import ray_workers
 from components.training.ray_workers import Workers
 from components.training.seeding import derive_seed
-from tasks.common import RETRY_TRANSIENT, logger, retry_transient, stage
+from tasks.common import RETRY_TRANSIENT, is_transient, logger, retry_transient, stage
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
@@ -34,7 +34,8 @@ def generate_rollouts(workers: Workers, rows: list[dict], cfg: Config, iteration
     gets one greedy completion per prompt. `round_` counts dynamic sampling's extra rounds."""
     seed = derive_seed(cfg.trainer.seed, iteration, "rollout", *([round_] if round_ else []))
     greedy = resolve(cfg.algorithm).needs_baseline
-    ensure_current(workers, version)
+    if not workers.colocated:  # a colocated engine is the policy's own module: never stale
+        ensure_current(workers, version)
     return workers.call("rollout", "generate", rows, sampling_params(cfg), seed, iteration, version, greedy)
 
 
@@ -76,8 +77,26 @@ def update_critic(workers: Workers, batch: Batch) -> dict[str, float]:
 
 
 @stage(name="update-actor")
-def update_policy(workers: Workers, batch: Batch) -> dict[str, float]:
-    return workers.call("policy", "update", batch)
+def update_policy(workers: Workers, batch: Batch) -> tuple[dict[str, float], int]:
+    """One policy update on the workers, then its weights into the rollout engine; returns the update's
+    metrics (timing_s/update_actor and timing_s/update_weights among them) and the new weights version.
+
+    One task, not two: each task run costs the Prefect server ~20 ms of CPU. The update is never retried (it
+    would step twice); a push that fails because the rollout actor died is not an error of the update: Ray
+    restarts that actor and `ensure_current` gives it these weights before it samples again."""
+    start = time.perf_counter()
+    metrics = workers.call("policy", "update", batch)
+    synced = time.perf_counter()
+    try:
+        version = push_weights(workers)
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        logger().warning("weights not pushed to the rollout engine (%s); it gets them before it samples",
+                         type(exc).__name__)
+        version = workers.call("policy", "state")["version"]
+    done = time.perf_counter()
+    return {**metrics, "timing_s/update_actor": synced - start, "timing_s/update_weights": done - synced}, version
 
 
 def push_weights(workers: Workers) -> int:
@@ -96,7 +115,8 @@ def ensure_current(workers: Workers, version: int) -> None:
 
 @stage(name="update-weights", retry_condition_fn=retry_transient, **RETRY_TRANSIENT)
 def sync_weights(workers: Workers) -> int:
-    """Push the policy's weights to the rollout engine through the object store; returns their version."""
+    """Push the policy's weights to the rollout engine through the object store; returns their version (after
+    a restore; each iteration's update pushes its own)."""
     return push_weights(workers)
 
 

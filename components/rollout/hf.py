@@ -6,7 +6,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from components.rollout.base import RolloutOutput, SamplingParams
+from components.rollout.fast_decode import LeanDecoder, prefill_mask, unsupported_reason
 from components.rollout.sampling import sample_tokens
+
+COMPACT_FRACTION = 0.25  # the lean loop drops finished rows once this fraction of the active ones has finished
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,12 +25,16 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 
 
 class HFEngine:
-    """Holds its own copy of the policy; `update_weights` loads each new version in place."""
+    """Holds its own copy of the policy (or, colocated, the policy's own module); `update_weights` loads each
+    new version in place. Llama-family models sample with the lean loop (components/rollout/fast_decode.py),
+    others with transformers' forward; `fast_decode=False` forces the latter."""
 
-    def __init__(self, model: PreTrainedModel, eos_id: int, pad_id: int):
+    def __init__(self, model: PreTrainedModel, eos_id: int, pad_id: int, fast_decode: bool = True):
         self.model = model.eval()
         self.eos_id, self.pad_id = eos_id, pad_id
         self.weights_version = 0
+        self.slow_reason = unsupported_reason(model) if fast_decode else "fast_decode=False"
+        self.lean = LeanDecoder(model) if self.slow_reason is None else None
 
     def _check_newer(self, version: int) -> None:
         if version < self.weights_version:
@@ -49,6 +56,56 @@ class HFEngine:
         gen = torch.Generator().manual_seed(seed)
         ids, mask = left_pad(prompts, self.pad_id)
         ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)  # (N, P)
+        if self.lean is not None:
+            tokens_out, logp_out = self._generate_lean(ids, mask, params, gen)
+        else:
+            tokens_out, logp_out = self._generate_hf(ids, mask, params, gen)
+        response_mask = response_mask_from(tokens_out, self.eos_id, self.pad_id)
+        return RolloutOutput(tokens_out, response_mask, logp_out * response_mask, self.weights_version)
+
+    def _generate_lean(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
+                       gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled tokens and log-probs (N, R), R = the steps taken (all rows done or max_new_tokens)."""
+        lean, dtype = self.lean, next(self.model.parameters()).dtype
+        lean.pack()  # every call: the weights may have moved in place (a colocated policy)
+        n_rows, p = ids.shape
+        total = p + params.max_new_tokens
+        cache = lean.new_cache(n_rows, total, dtype)
+        rope = lean.rotary_table(total, dtype)
+        keys = torch.zeros((n_rows, total), dtype=torch.bool)
+        keys[:, :p] = mask.bool()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = lean.forward(ids, positions, cache, 0, prefill_mask(mask), rope)
+        next_pos = positions[:, -1:] + 1
+        tokens_out = torch.full((n_rows, params.max_new_tokens), self.pad_id, dtype=torch.long)
+        logp_out = torch.zeros((n_rows, params.max_new_tokens))
+        active = torch.arange(n_rows)  # original row of each row still in the batch
+        done = torch.zeros(n_rows, dtype=torch.bool)
+        steps = 0
+        for t in range(params.max_new_tokens):
+            tok, logp = sample_tokens(logits, params.temperature, params.top_k, params.top_p, gen)
+            tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
+            tokens_out[active, t] = tok
+            logp_out[active, t] = torch.where(done, torch.zeros_like(logp), logp)
+            steps = t + 1
+            done = done | (tok == self.eos_id)
+            n_done = int(done.sum())
+            if n_done == len(active) or t == params.max_new_tokens - 1:
+                break
+            if n_done >= max(1, COMPACT_FRACTION * len(active)):  # drop the finished rows
+                keep = (~done).nonzero().squeeze(-1)
+                active, tok, next_pos, keys = active[keep], tok[keep], next_pos[keep], keys[keep]
+                cache = [(k[keep], v[keep]) for k, v in cache]
+                done = done[keep]
+            col = p + t
+            keys[:, col] = True
+            logits = lean.forward(tok[:, None], next_pos, cache, col, keys[:, None, None, :col + 1], rope)
+            next_pos = next_pos + 1
+        return tokens_out[:, :steps], logp_out[:, :steps]
+
+    def _generate_hf(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
+                     gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same loop on transformers' forward and DynamicCache (any causal LM)."""
         n_rows = ids.shape[0]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
@@ -72,9 +129,7 @@ class HFEngine:
             out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
                              cache=cache, use_cache=True)
             next_pos = next_pos + 1
-        tokens_out, logp_out = tokens_out[:, :steps], logp_out[:, :steps]
-        response_mask = response_mask_from(tokens_out, self.eos_id, self.pad_id)
-        return RolloutOutput(tokens_out, response_mask, logp_out * response_mask, self.weights_version)
+        return tokens_out[:, :steps], logp_out[:, :steps]
 
 
 def response_mask_from(tokens: torch.Tensor, eos_id: int, pad_id: int) -> torch.Tensor:

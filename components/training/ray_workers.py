@@ -32,9 +32,12 @@ def ensure_ray() -> None:
     else:
         # logical CPUs beyond the cores, so a few policy workers and the rollout worker fit on a small machine
         # (each runs trainer.num_threads threads); "local": a new instance even when `ray start` left its address;
-        # no idle workers started ahead (each is a Python process of ~90 MB that a run never uses)
+        # no idle workers started ahead, not even the two for the first driver (each is a Python process of
+        # ~80 MB that a run never uses)
         ray.init(address="local", num_cpus=max(8, os.cpu_count() or 2), include_dashboard=False, runtime_env=runtime_env,
-                 log_to_driver=True, configure_logging=False, _system_config={"enable_worker_prestart": False, "worker_niceness": 0})
+                 log_to_driver=True, configure_logging=False,
+                 _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False,
+                                 "worker_niceness": 0})
 
 
 class StageTimeout(TimeoutError):
