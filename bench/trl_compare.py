@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.memory import PeakSampler, rss_of_tree
+from bench.memory import PeakSampler, pss_of_tree, rss_of_tree
 
 WORKLOADS = {
     "w1": {"prompts": 16, "n": 8, "max_new": 16, "betas": (0.0, 0.04), "model": "sft"},
@@ -84,11 +84,16 @@ def n_params(path: Path) -> int:
     return sum(p.numel() for p in load_model(path).parameters())
 
 
-def peak_memory(rss: PeakSampler) -> dict:
+def memory_samplers() -> tuple[PeakSampler, PeakSampler]:
+    """RSS every 200 ms (a light touch on a 2-core machine), PSS every 5 s (it costs far more to read)."""
+    return PeakSampler(rss_of_tree, 0.2), PeakSampler(pss_of_tree, 5.0)
+
+
+def peak_memory(rss: PeakSampler, pss: PeakSampler) -> dict:
     """Peak RSS (GiB) of this process with its descendants (Ray's workers among them), their peak PSS (shared
     pages counted once), and this process's peak RSS."""
-    own, tree, pss = rss.peak
-    return {"peak_rss_gib": tree / 2**30, "peak_pss_gib": pss / 2**30, "peak_rss_driver_gib": own / 2**30}
+    own, tree = rss.peak
+    return {"peak_rss_gib": tree / 2**30, "peak_pss_gib": pss.peak[0] / 2**30, "peak_rss_driver_gib": own / 2**30}
 
 
 # ---------------------------------------------------------------- children: one training run each
@@ -107,9 +112,10 @@ def child_ours(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> 
                  "trainer.eval_k=1", "trainer.save_optimizer=false", "trainer.resume_mode=disable",
                  "trainer.progress=false", f"trainer.output_dir={out}", "trainer.experiment_name=bench-trl",
                  f"actor.model.max_seq_len={16 + spec['max_new']}", *extra]
-    with PeakSampler(rss_of_tree, 0.2) as rss:  # every 200 ms: a light touch on a 2-core machine
+    rss, pss = memory_samplers()
+    with rss, pss:
         info = train_flow(CONFIG, overrides, f"bench-trl-{w}")
-    mem = peak_memory(rss)
+    mem = peak_memory(rss, pss)
     client = mlflow.tracking.MlflowClient()
     names = [k for k in client.get_run(info["run_id"]).data.metrics
              if k.startswith(("timing_s/", "perf/")) or k in ("critic/score/mean", "response_length/mean")]
@@ -175,10 +181,11 @@ def child_trl(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> d
         return result
 
     trainer._generate = timed_generate
-    with PeakSampler(rss_of_tree, 0.2) as rss:
+    rss, pss = memory_samplers()
+    with rss, pss:
         start = time.perf_counter()
         trainer.train()
-    mem = peak_memory(rss)
+    mem = peak_memory(rss, pss)
     ends = [start] + timing["ends"]
     step_s = [ends[i] - ends[i - 1] for i in range(2, len(ends))]  # not the first (warm-up)
     logs = [h for h in trainer.state.log_history if "reward" in h]
