@@ -59,12 +59,12 @@ class LeanDecoder:
         each layer's attention weights; milliseconds even for the 25M-parameter benchmark model)."""
         self._packed = []
         for layer in self.layers:
-            a = layer.self_attn
-            w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
-            biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
-            b = torch.cat([x if x is not None else torch.zeros(p.out_features, dtype=w.dtype)
-                           for x, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj))]).detach() \
-                if any(x is not None for x in biases) else None
+            projs = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+            w = torch.cat([p.weight for p in projs]).detach()
+            b = None
+            if any(p.bias is not None for p in projs):  # a missing bias is zeros
+                b = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=w.dtype)
+                               for p in projs]).detach()
             self._packed.append((w, b))
 
     def new_cache(self, rows: int, length: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -122,4 +122,4 @@ def prefill_mask(mask: torch.Tensor) -> torch.Tensor:
     NaN, and its NaN keys would then poison the rows that mask them)."""
     p = mask.shape[1]
     causal = torch.ones(p, p, dtype=torch.bool).tril()
-    return (causal & mask.bool()[:, None, :]) .logical_or(torch.eye(p, dtype=torch.bool))[:, None]
+    return (causal & mask.bool()[:, None, :]).logical_or(torch.eye(p, dtype=torch.bool))[:, None]

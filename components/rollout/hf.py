@@ -56,32 +56,14 @@ class HFEngine:
         gen = torch.Generator().manual_seed(seed)
         ids, mask = left_pad(prompts, self.pad_id)
         ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)  # (N, P)
-        if self.lean is not None:
-            tokens_out, logp_out = self._generate_lean(ids, mask, params, gen)
-        else:
-            tokens_out, logp_out = self._generate_hf(ids, mask, params, gen)
-        response_mask = response_mask_from(tokens_out, self.eos_id, self.pad_id)
-        return RolloutOutput(tokens_out, response_mask, logp_out * response_mask, self.weights_version)
-
-    def _generate_lean(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
-                       gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sampled tokens and log-probs (N, R), R = the steps taken (all rows done or max_new_tokens)."""
-        lean, dtype = self.lean, next(self.model.parameters()).dtype
-        lean.pack()  # every call: the weights may have moved in place (a colocated policy)
-        n_rows, p = ids.shape
-        total = p + params.max_new_tokens
-        cache = lean.new_cache(n_rows, total, dtype)
-        rope = lean.rotary_table(total, dtype)
-        keys = torch.zeros((n_rows, total), dtype=torch.bool)
-        keys[:, :p] = mask.bool()
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = lean.forward(ids, positions, cache, 0, prefill_mask(mask), rope)
-        next_pos = positions[:, -1:] + 1
+        decoder = _LeanSteps(self.lean, self.model, ids, mask, params.max_new_tokens) if self.lean is not None \
+            else _HFSteps(self.model, ids, mask)
+        n_rows = ids.shape[0]
         tokens_out = torch.full((n_rows, params.max_new_tokens), self.pad_id, dtype=torch.long)
         logp_out = torch.zeros((n_rows, params.max_new_tokens))
         active = torch.arange(n_rows)  # original row of each row still in the batch
         done = torch.zeros(n_rows, dtype=torch.bool)
-        steps = 0
+        logits, steps = decoder.logits, 0
         for t in range(params.max_new_tokens):
             tok, logp = sample_tokens(logits, params.temperature, params.top_k, params.top_p, gen)
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
@@ -92,44 +74,69 @@ class HFEngine:
             n_done = int(done.sum())
             if n_done == len(active) or t == params.max_new_tokens - 1:
                 break
-            if n_done >= max(1, COMPACT_FRACTION * len(active)):  # drop the finished rows
+            if decoder.can_drop and n_done >= max(1, COMPACT_FRACTION * len(active)):  # drop the finished rows
                 keep = (~done).nonzero().squeeze(-1)
-                active, tok, next_pos, keys = active[keep], tok[keep], next_pos[keep], keys[keep]
-                cache = [(k[keep], v[keep]) for k, v in cache]
-                done = done[keep]
-            col = p + t
-            keys[:, col] = True
-            logits = lean.forward(tok[:, None], next_pos, cache, col, keys[:, None, None, :col + 1], rope)
-            next_pos = next_pos + 1
-        return tokens_out[:, :steps], logp_out[:, :steps]
+                decoder.keep(keep)
+                active, tok, done = active[keep], tok[keep], done[keep]
+            logits = decoder.advance(tok)
+        tokens_out, logp_out = tokens_out[:, :steps], logp_out[:, :steps]
+        response_mask = response_mask_from(tokens_out, self.eos_id, self.pad_id)
+        return RolloutOutput(tokens_out, response_mask, logp_out * response_mask, self.weights_version)
 
-    def _generate_hf(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
-                     gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same loop on transformers' forward and DynamicCache (any causal LM)."""
-        n_rows = ids.shape[0]
+
+class _HFSteps:
+    """Decode steps on transformers' forward and DynamicCache (any causal LM); rows are never dropped."""
+
+    can_drop = False
+
+    def __init__(self, model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor):
+        self.model, self.mask, self.cache = model, mask, DynamicCache()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                         logits_to_keep=1)
-        tokens_out = torch.full((n_rows, params.max_new_tokens), self.pad_id, dtype=torch.long)
-        logp_out = torch.zeros((n_rows, params.max_new_tokens))
-        done = torch.zeros(n_rows, dtype=torch.bool)
-        next_pos = positions[:, -1:] + 1
-        steps = 0
-        for t in range(params.max_new_tokens):
-            tok, logp = sample_tokens(out.logits[:, -1, :], params.temperature, params.top_k, params.top_p, gen)
-            tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
-            tokens_out[:, t] = tok
-            logp_out[:, t] = torch.where(done, torch.zeros_like(logp), logp)
-            steps = t + 1
-            done = done | (tok == self.eos_id)
-            if bool(done.all()) or t == params.max_new_tokens - 1:
-                break
-            mask = torch.cat([mask, torch.ones((n_rows, 1), dtype=mask.dtype)], dim=1)
-            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                             cache=cache, use_cache=True)
-            next_pos = next_pos + 1
-        return tokens_out[:, :steps], logp_out[:, :steps]
+        self.logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+                            use_cache=True, logits_to_keep=1).logits[:, -1, :]
+        self.next_pos = positions[:, -1:] + 1
+
+    def advance(self, tok: torch.Tensor) -> torch.Tensor:
+        """Logits (N, V) after feeding one token per row."""
+        self.mask = torch.cat([self.mask, torch.ones((len(tok), 1), dtype=self.mask.dtype)], dim=1)
+        out = self.model(input_ids=tok[:, None], attention_mask=self.mask, position_ids=self.next_pos,
+                         cache=self.cache, use_cache=True)
+        self.next_pos = self.next_pos + 1
+        return out.logits[:, -1, :]
+
+
+class _LeanSteps:
+    """Decode steps of the lean loop (components/rollout/fast_decode.py): a cache allocated once for prompt +
+    max_new_tokens columns; finished rows can be dropped (`keep`)."""
+
+    can_drop = True
+
+    def __init__(self, lean: LeanDecoder, model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor,
+                 max_new_tokens: int):
+        dtype = next(model.parameters()).dtype
+        lean.pack()  # every call: the weights may have moved in place (a colocated policy)
+        n_rows, self.col = ids.shape
+        total = self.col + max_new_tokens
+        self.lean, self.cache = lean, lean.new_cache(n_rows, total, dtype)
+        self.rope = lean.rotary_table(total, dtype)
+        self.keys = torch.zeros((n_rows, total), dtype=torch.bool)  # which cache columns each row attends to
+        self.keys[:, :self.col] = mask.bool()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        self.logits = lean.forward(ids, positions, self.cache, 0, prefill_mask(mask), self.rope)
+        self.next_pos = positions[:, -1:] + 1
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.next_pos, self.keys = self.next_pos[rows], self.keys[rows]
+        self.cache = [(k[rows], v[rows]) for k, v in self.cache]
+
+    def advance(self, tok: torch.Tensor) -> torch.Tensor:
+        """Logits (N, V) after feeding one token per row into the next cache column."""
+        col = self.col
+        self.keys[:, col] = True
+        logits = self.lean.forward(tok[:, None], self.next_pos, self.cache, col, self.keys[:, None, None, :col + 1],
+                                   self.rope)
+        self.col, self.next_pos = col + 1, self.next_pos + 1
+        return logits
 
 
 def response_mask_from(tokens: torch.Tensor, eos_id: int, pad_id: int) -> torch.Tensor:
