@@ -14,6 +14,9 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 .PHONY: run test test-fast install clean
 
 $(STAMP): pyproject.toml
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get install -y -q bubblewrap >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q bubblewrap)); } || \
+	  echo "note: bubblewrap (bwrap) is not installed; the code reward will refuse to run. Install it: apt-get install -y bubblewrap"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0

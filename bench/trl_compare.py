@@ -149,7 +149,7 @@ def child_trl(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> d
     data = Dataset.from_list([{"prompt": tok.apply_chat_template(list(r["prompt"]), add_generation_prompt=True,
                                                                   tokenize=False),
                                "ground_truth": r["reward_model"]["ground_truth"]} for r in rows])
-    score = scorer_for("arith", cfg.reward_model)
+    score = scorer_for("arith", cfg)
 
     def reward(completions, ground_truth, **_):
         return [score(c, g, {}) for c, g in zip(completions, ground_truth)]
@@ -238,7 +238,7 @@ def evaluate_acc(path: str, n_eval: int, max_new: int) -> float:
 
     cfg = load_config(CONFIG, [])
     rows = [to_plain(r) for r in read_rows(cfg.data.eval_path).to_dict("records")][:n_eval]
-    return evaluate(RolloutWorker(path), rows, cfg.reward_model, 1, max_new, SEED)["val/acc"]
+    return evaluate(RolloutWorker(path), rows, cfg, 1, max_new, SEED)["val/acc"]
 
 
 def summarize(r: dict, rows_per_step: int, prompt_tokens: float, params: int, flops: float) -> dict:

@@ -34,7 +34,7 @@ def evaluate(worker, rows: list[dict], reward_cfg, k: int, max_new_tokens: int, 
             batch = worker.generate(chunk, params, seed=seed + start, iteration=-1)
             texts = worker.decode(batch)
             nt = batch.non_tensors
-            s, _ = score_batch(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"], reward_cfg)
+            s, _, _ = score_batch(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"], reward_cfg)
             scores += s
             sources += nt["data_source"]
         if mode == "greedy":

@@ -49,10 +49,11 @@ def rollout_batch(rows: list[dict], prompt_ids: list[list[int]], out: RolloutOut
     )
 
 
-def decode_responses(tokenizer, batch: Batch, key: str = "responses", mask_key: str = "response_mask") -> list[str]:
+def decode_responses(tokenizer, batch: Batch, key: str = "responses", mask_key: str = "response_mask",
+                     skip_special_tokens: bool = True) -> list[str]:
     t = batch.tensors
     ids = [row[m.bool()].tolist() for row, m in zip(t[key], t[mask_key])]
-    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+    return tokenizer.batch_decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _stats(name: str, x: torch.Tensor) -> dict[str, float]:
@@ -62,32 +63,40 @@ def _stats(name: str, x: torch.Tensor) -> dict[str, float]:
     return {f"{name}/mean": float(x.mean()), f"{name}/max": float(x.max()), f"{name}/min": float(x.min())}
 
 
-def add_rewards(batch: Batch, texts: list[str], reward_cfg, overlong: tuple[int, int, float] | None = None,
-                baseline_texts: list[str] | None = None, score=score_batch) -> tuple[Batch, dict[str, float]]:
+def add_rewards(batch: Batch, texts: list[str], cfg, overlong: tuple[int, int, float] | None = None,
+                baseline_texts: list[str] | None = None, score=score_batch,
+                model_scores: list[float] | None = None) -> tuple[Batch, dict[str, float]]:
     """Score each response; the sequence reward sits on its last response token (token_rewards (N, R)).
 
     overlong = (max_len, buffer_len, factor) adds DAPO's overlong penalty to the reward (not to `scores`).
     baseline_texts, one greedy completion per row (repeated over the n samples of a prompt), are scored once
     per prompt into `baseline_values` (N, R) for remax. Rows whose score is invalid get valid = False.
     `score` has score_batch's signature (the training flow scores in a Ray task that is retried if it dies).
+    model_scores (a reward model's, one per row) are mixed in: score = reward_model.rule_weight x rule score
+    + reward_model.model_weight x model score. Scorers' named sub-scores are logged as reward/<name>/mean.
     """
-    nt, n = batch.non_tensors, batch.meta.get("n", 1)
-    scores, valid = score(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"], reward_cfg)
+    nt, n, rm = batch.non_tensors, batch.meta.get("n", 1), cfg.reward_model
+    scores, valid, subs = score(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"], cfg)
     mask = batch.tensors["response_mask"]
     lengths = mask.sum(-1)
     s = torch.tensor(scores, dtype=torch.float32)
+    metrics = {f"reward/{name}/mean": float(torch.tensor(v).nanmean()) for name, v in subs.items()}
+    if model_scores is not None:
+        learned = torch.tensor(model_scores, dtype=torch.float32)
+        metrics.update({**_stats("reward/rule_score", s), **_stats("reward/model_score", learned)})
+        s = rm.rule_weight * s + rm.model_weight * learned
     rewards = s
-    metrics = {**_stats("critic/score", s), "reward/invalid_count": float(len(valid) - sum(valid)),
+    metrics.update({**_stats("critic/score", s), "reward/invalid_count": float(len(valid) - sum(valid)),
                **_stats("response_length", lengths.float()),
-               "prompt_length/mean": float(batch.tensors["prompt_mask"].sum(-1).float().mean())}
+               "prompt_length/mean": float(batch.tensors["prompt_mask"].sum(-1).float().mean())})
     extra: dict[str, torch.Tensor] = {}
     if overlong is not None and overlong[1] > 0:
         penalty = overlong_penalty(lengths, *overlong)
         rewards = s + penalty
         metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
     if baseline_texts is not None:
-        per_prompt, _ = score(baseline_texts[::n], nt["ground_truth"][::n], nt["data_source"][::n],
-                                    nt["extra_info"][::n], reward_cfg)
+        per_prompt, _, _ = score(baseline_texts[::n], nt["ground_truth"][::n], nt["data_source"][::n],
+                                 nt["extra_info"][::n], cfg)
         base = torch.tensor(per_prompt, dtype=torch.float32).repeat_interleave(n)
         extra["baseline_values"] = base[:, None] * mask
         metrics["reward/greedy_baseline_mean"] = float(base.mean())

@@ -14,6 +14,7 @@ COMMANDS = {
     "train": ("flows.train", "RL training (GRPO by default) on Ray, tracked in MLflow", []),
     "evaluate": ("flows.evaluate", "held-out accuracy of the SFT and final models (metrics/eval.json)", []),
     "generate": ("flows.generate", "sample completions from a model", []),
+    "reward-model": ("flows.reward_model", "train a tiny reward model on arithmetic preference pairs", []),
     "nightly": ("flows.nightly", "data, train, evaluate, register if better", []),
     "deploy": ("flows.deploy_cli", "turn pipelines.yaml into Prefect deployments", []),
 }

@@ -53,7 +53,7 @@ def _collect_batch(timings, workers, sampler, train_rows, tokenizer, cfg, it, ve
         rows = [train_rows[i] for i in sampler.next_indices()]
         batch = _timed(timings, "gen", generate_rollouts, workers, rows, cfg, it, version, round_)
         _add_time(timings, "gen_compute", batch.meta.get("gen_seconds", 0.0))  # the rollout worker's own part
-        return _timed(timings, "reward", score_rewards, batch, tokenizer, cfg)
+        return _timed(timings, "reward", score_rewards, batch, tokenizer, cfg, workers)
 
     batch, metrics = one_round(0)
     if not resolve(cfg.algorithm).dynamic_sampling:

@@ -17,7 +17,7 @@ from tasks.common import STAGE
 METRICS = ("math_acc",)  # --metric names: math_acc = rule-scored accuracy (greedy) plus mean@k / pass@k
 
 
-EVAL_CACHE = StageCache(config_keys=("engine", "actor.model", "reward_model", "trainer.seed", "trainer.eval_k", "trainer.eval_size"),
+EVAL_CACHE = StageCache(config_keys=("engine", "actor.model", "reward_model", "custom_reward_function", "sandbox", "trainer.seed", "trainer.eval_k", "trainer.eval_size"),
                         reads=lambda i: [i["model_path"], i["eval_path"]])
 
 
@@ -28,7 +28,7 @@ def evaluate_model(model_path: str, eval_path: str, cfg: Config) -> dict[str, fl
                            cfg.actor.model.attention_implementation, cfg.trainer.num_threads, key="--model_path")
     rows = [to_plain(r) for r in read_rows(eval_path, key="--eval_data").to_dict("records")]
     rows = rows[:cfg.trainer.eval_size] if cfg.trainer.eval_size else rows
-    m = worker.evaluate(rows, cfg.reward_model, cfg.trainer.eval_k, cfg.engine.max_new_tokens,
+    m = worker.evaluate(rows, cfg, cfg.trainer.eval_k, cfg.engine.max_new_tokens,
                         derive_seed(cfg.trainer.seed, "eval"), cfg.engine.temperature or 1.0)
     k = cfg.trainer.eval_k
     out = {"acc": m["val/acc"], "n": len(rows)}

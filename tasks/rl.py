@@ -40,16 +40,24 @@ def generate_rollouts(workers: Workers, rows: list[dict], cfg: Config, iteration
 
 
 @stage(name="reward")
-def score_rewards(batch: Batch, tokenizer, cfg: Config) -> tuple[Batch, dict[str, float]]:
+def score_rewards(batch: Batch, tokenizer, cfg: Config, workers: Workers | None = None
+                  ) -> tuple[Batch, dict[str, float]]:
     """Decode responses and score them with the scorer of each row's data_source (plus DAPO's overlong
-    penalty, and the greedy baseline's score for remax)."""
+    penalty, and the greedy baseline's score for remax); with reward_model.path, the reward model's actor
+    scores prompt + response too and the two are mixed by reward_model.rule_weight / model_weight."""
     algo = resolve(cfg.algorithm)
     max_len = cfg.engine.max_new_tokens
     overlong = (max_len, round(algo.overlong_buffer_frac * max_len), cfg.algorithm.overlong_penalty_factor)
     baseline = decode_responses(tokenizer, batch, "baseline_responses", "baseline_mask") \
         if "baseline_responses" in batch.tensors else None
-    return add_rewards(batch, decode_responses(tokenizer, batch), cfg.reward_model, overlong, baseline,
-                       ray_workers.score_in_worker)
+    texts = decode_responses(tokenizer, batch)
+    model_scores = None
+    if cfg.reward_model.path:
+        if workers is None or workers.reward_model is None:
+            raise RuntimeError("reward_model.path is set but no reward-model actor was started")
+        prompts = decode_responses(tokenizer, batch, "prompts", "prompt_mask", skip_special_tokens=False)
+        model_scores = workers.call("reward_model", "score", prompts, texts)
+    return add_rewards(batch, texts, cfg, overlong, baseline, ray_workers.score_in_worker, model_scores)
 
 
 @stage(name="old-log-prob")
@@ -125,5 +133,5 @@ def evaluate_policy(workers: Workers, rows: list[dict], cfg: Config) -> dict[str
     """Greedy accuracy and mean@k / pass@k on the held-out rows with the current weights."""
     rows = rows[:cfg.trainer.eval_size] if cfg.trainer.eval_size else rows
     ensure_current(workers, workers.call("policy", "state")["version"])
-    return workers.call("rollout", "evaluate", rows, cfg.reward_model, cfg.trainer.eval_k, cfg.engine.max_new_tokens,
+    return workers.call("rollout", "evaluate", rows, cfg, cfg.trainer.eval_k, cfg.engine.max_new_tokens,
                         derive_seed(cfg.trainer.seed, "eval"), cfg.engine.temperature or 1.0)

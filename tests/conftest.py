@@ -34,6 +34,16 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     return out
 
 
+@pytest.fixture(scope="session")
+def ray_local():
+    from components.training.ray_workers import ensure_ray
+    import ray
+
+    ensure_ray()
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(autouse=True)
 def _threads():
     torch.set_num_threads(2)

@@ -103,9 +103,56 @@ class EngineConfig(Section):
 
 
 class RewardModelConfig(Section):
-    style: Literal["rule"] = Field("rule", description="reward source; rule = scorer chosen by data_source")
+    """Rule scorers chosen by data_source (components/rewards/registry.py), and an optional learned reward model."""
+
     format_score: float = Field(0.0, description="reward for an extracted but wrong answer")
     method: Literal["strict", "flexible"] = Field("strict", description="GSM8K answer extraction")
+    sources: dict[str, str] = Field({}, description="data_source -> scorer name (gsm8k, math, countdown, code), "
+                                                    "overriding the source's built-in scorer")
+    default_scorer: str | None = Field(None, description="scorer for a data_source with no built-in or override; "
+                                                         "None = such a row is an error")
+    path: str | None = Field(None, description="local Hugging Face sequence-classification reward model; "
+                                               "None = rule rewards only")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="reward model weights dtype")
+    batch_size: int = Field(32, ge=1, description="prompt+response pairs per reward-model forward pass")
+    rule_weight: float = Field(1.0, description="reward = rule_weight x rule score + model_weight x model score")
+    model_weight: float = Field(1.0, description="weight of the reward model's score (used when path is set)")
+
+    @model_validator(mode="after")
+    def _known_scorers(self) -> "RewardModelConfig":
+        from components.rewards.registry import SCORERS
+
+        for key, name in [*(("sources." + k, v) for k, v in self.sources.items()),
+                          ("default_scorer", self.default_scorer)]:
+            if name is not None and name not in SCORERS:
+                raise ValueError(f"reward_model.{key}={name!r}: no such scorer; use one of "
+                                 f"{', '.join(sorted(SCORERS))}")
+        return self
+
+
+class CustomRewardConfig(Section):
+    path: str | None = Field(None, description="a Python file inside the project whose function scores every row")
+    name: str = Field("compute_score", description="the function's name: (response_text, ground_truth, "
+                                                   "extra_info) -> float or {score, ...}")
+
+
+class SandboxConfig(Section):
+    """Limits of the bubblewrap sandbox that runs model-written code (code reward, python tool)."""
+
+    timeout_s: float = Field(10.0, gt=0, description="wall-clock limit per run; the process group is killed")
+    cpu_s: int = Field(5, ge=1, description="CPU-seconds limit per run (RLIMIT_CPU)")
+    memory_mb: int = Field(512, ge=64, description="address-space limit per run (RLIMIT_AS)")
+    max_processes: int = Field(16, ge=1, description="processes per run (RLIMIT_NPROC)")
+    max_open_files: int = Field(64, ge=8, description="open files per run (RLIMIT_NOFILE)")
+    max_output_bytes: int = Field(1 << 20, ge=1024, description="stdout/stderr/file size cap (RLIMIT_FSIZE)")
+    concurrency: int = Field(2, ge=1, description="sandboxed runs at once")
+
+    def limits(self):
+        from components.rewards.sandbox import SandboxLimits
+
+        return SandboxLimits(timeout_s=self.timeout_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb,
+                             max_processes=self.max_processes, max_open_files=self.max_open_files,
+                             max_output_bytes=self.max_output_bytes)
 
 
 class DataConfig(Section):
@@ -206,6 +253,9 @@ class Config(Section):
     critic: CriticConfig = Field(default_factory=CriticConfig, description="value model (PPO with gae)")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="rollout engine")
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="rewards")
+    custom_reward_function: CustomRewardConfig = Field(default_factory=CustomRewardConfig,
+                                                       description="a user's reward function")
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="code sandbox limits")
     data: DataConfig = Field(default_factory=DataConfig, description="datasets")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="supervised warm start")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="loop, seeds, outputs")

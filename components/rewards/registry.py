@@ -1,51 +1,134 @@
-"""Scorers keyed by `data_source`, and scoring of a whole batch with invalid values counted."""
+"""Reward scorers by name, the scorer of each `data_source`, and scoring of a whole batch.
+
+A scorer is a plain function `(response_text, ground_truth, extra_info) -> float`, or a dict with `score` and
+named sub-scores (numbers, logged as `reward/<name>/mean`). Which scorer a row gets, first match wins:
+`custom_reward_function.path` (every row), `reward_model.sources[data_source]` (a name in SCORERS),
+REWARDS[data_source] (the built-in default of a source), `reward_model.default_scorer`; else a KeyError.
+"""
 
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from components.rewards import gsm8k
+from components.rewards import countdown, gsm8k
 
-Scorer = Callable[..., float]
+if TYPE_CHECKING:
+    from components.config.schema import Config
 
-REWARDS: dict[str, Callable[..., Scorer]] = {
-    # data_source -> factory(reward_model config) -> scorer(response_text, ground_truth, extra_info)
-    "arith": lambda rm: partial(gsm8k.score, method=rm.method, format_score=rm.format_score),
-    "openai/gsm8k": lambda rm: partial(gsm8k.score, method=rm.method, format_score=rm.format_score),
+Scorer = Callable[..., "float | dict[str, float]"]
+
+
+def _gsm8k(cfg: "Config") -> Scorer:
+    return partial(gsm8k.score, method=cfg.reward_model.method, format_score=cfg.reward_model.format_score)
+
+
+def _math(cfg: "Config") -> Scorer:
+    from components.rewards import math_eq  # sympy and math-verify load only when a source needs them
+
+    return partial(math_eq.score, format_score=cfg.reward_model.format_score)
+
+
+def _countdown(cfg: "Config") -> Scorer:
+    return partial(countdown.score, format_score=cfg.reward_model.format_score or 0.1)
+
+
+def _code(cfg: "Config") -> Scorer:
+    from components.rewards import code_exec
+    from components.rewards.sandbox import bwrap_path
+
+    bwrap_path()  # no bubblewrap: refuse here, before any rollout, rather than run code unconfined
+    fn = partial(code_exec.score, limits=cfg.sandbox.limits(), concurrency=cfg.sandbox.concurrency)
+    fn.concurrent = True  # waits on a subprocess: scored in parallel, up to sandbox.concurrency at once
+    return fn
+
+
+# scorer name -> factory(config) -> scorer; `reward_model.sources` and `default_scorer` name these.
+SCORERS: dict[str, Callable[["Config"], Scorer]] = {
+    "gsm8k": _gsm8k, "math": _math, "countdown": _countdown, "code": _code,
+}
+
+# data_source -> factory(config) -> scorer: the built-in default of each known source.
+REWARDS: dict[str, Callable[["Config"], Scorer]] = {
+    "arith": _gsm8k, "arith_tool": _gsm8k, "openai/gsm8k": _gsm8k,
+    "lighteval/MATH": _math, "DigitalLearningGmbH/MATH-lighteval": _math, "math": _math,
+    "countdown": _countdown, "code": _code,
 }
 
 
-def scorer_for(data_source: str, reward_cfg) -> Scorer:
-    if data_source not in REWARDS:
-        raise KeyError(f"data_source={data_source!r}: no reward scorer registered; known sources: "
-                       f"{', '.join(sorted(REWARDS))}. Register one in components/rewards/registry.py.")
-    return REWARDS[data_source](reward_cfg)
+def scorer_for(data_source: str, cfg: "Config") -> Scorer:
+    rm = cfg.reward_model
+    if cfg.custom_reward_function.path:
+        from components.rewards.custom import load_custom_reward
+
+        return load_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    if data_source in rm.sources:
+        name = rm.sources[data_source]
+        if name not in SCORERS:
+            raise KeyError(f"reward_model.sources.{data_source}={name!r}: no such scorer; known: "
+                           f"{', '.join(sorted(SCORERS))}. Fix the name or register the scorer in SCORERS.")
+        return SCORERS[name](cfg)
+    if data_source in REWARDS:
+        return REWARDS[data_source](cfg)
+    if rm.default_scorer is not None:
+        return SCORERS[rm.default_scorer](cfg)
+    raise KeyError(f"data_source={data_source!r}: no reward scorer registered; known sources: "
+                   f"{', '.join(sorted(REWARDS))}. Map it with reward_model.sources.{data_source}=<scorer> "
+                   f"(scorers: {', '.join(sorted(SCORERS))}), set reward_model.default_scorer, or register "
+                   "it in components/rewards/registry.py.")
 
 
-def scorers_for(data_sources: list[str], reward_cfg) -> dict[str, Scorer]:
+def scorers_for(data_sources: list[str], cfg: "Config") -> dict[str, Scorer]:
     """The scorer of each distinct data_source (KeyError naming an unregistered one)."""
-    return {source: scorer_for(source, reward_cfg) for source in dict.fromkeys(data_sources)}
+    return {source: scorer_for(source, cfg) for source in dict.fromkeys(data_sources)}
+
+
+def _split(value) -> tuple[object, dict[str, float]]:
+    """A scorer's return value as (score, sub-scores)."""
+    if isinstance(value, dict):
+        subs = {k: float(v) for k, v in value.items() if k != "score" and isinstance(v, (int, float))}
+        return value.get("score"), subs
+    return value, {}
 
 
 def score_batch(texts: list[str], ground_truths: list[str], data_sources: list[str], extra_infos: list[dict],
-                reward_cfg, scorers: dict[str, Scorer] | None = None) -> tuple[list[float], list[bool]]:
-    """Scores per response and whether each is valid; invalid ones (None, NaN, inf, not a number) score 0.
+                cfg: "Config", scorers: dict[str, Scorer] | None = None
+                ) -> tuple[list[float], list[bool], dict[str, list[float]]]:
+    """Scores per response, whether each is valid, and the sub-scores (name -> per-row values, NaN where a
+    row's scorer did not report that name). Invalid scores (None, NaN, inf, not a number) count as 0.
 
     A scorer that raises is a bug: the error names the sample and is not retried. `scorers` (data_source ->
-    scorer, from scorers_for) lets another process score with the scorers resolved here.
+    scorer, from scorers_for) lets another process score with the scorers resolved here. Scorers marked
+    `concurrent` (the sandboxed code scorer) run in threads, up to sandbox.concurrency at once.
     """
-    scores, valid = [], []
-    cache = scorers if scorers is not None else scorers_for(data_sources, reward_cfg)
-    for i, (text, truth, source, extra) in enumerate(zip(texts, ground_truths, data_sources, extra_infos)):
-        fn = cache[source]
+    cache = scorers if scorers is not None else scorers_for(data_sources, cfg)
+
+    def one(i: int):
+        fn, source = cache[data_sources[i]], data_sources[i]
         try:
-            value = fn(text, truth, extra)
+            return _split(fn(texts[i], ground_truths[i], extra_infos[i]))
         except Exception as exc:
-            raise RuntimeError(f"reward scorer for data_source={source!r} failed on sample {i} "
-                               f"(response {text[:80]!r}, ground truth {truth!r}): {exc!r}") from exc
+            where = getattr(fn, "origin", None)
+            raise RuntimeError(f"reward scorer for data_source={source!r}{f' ({where})' if where else ''} failed "
+                               f"on sample {i} (response {texts[i][:80]!r}, ground truth {ground_truths[i]!r}): "
+                               f"{exc!r}") from exc
+
+    parallel = [i for i, s in enumerate(data_sources) if getattr(cache[s], "concurrent", False)]
+    results: dict[int, tuple] = {}
+    if parallel:
+        with ThreadPoolExecutor(max_workers=cfg.sandbox.concurrency) as pool:
+            results.update(zip(parallel, pool.map(one, parallel)))
+    for i in range(len(texts)):
+        if i not in results:
+            results[i] = one(i)
+    scores, valid, subs = [], [], {}
+    for i in range(len(texts)):
+        value, sub = results[i]
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         scores.append(float(value) if ok else 0.0)
         valid.append(ok)
-    return scores, valid
+        for name, v in sub.items():
+            subs.setdefault(name, [math.nan] * len(texts))[i] = v
+    return scores, valid, subs

@@ -86,6 +86,7 @@ class Workers:
     pids: dict[str, list[int]] = field(default_factory=dict)
     reference: "ray.actor.ActorHandle | None" = None  # trainer.ref_placement=separate
     colocated: bool = False  # the rollout engine is policy worker 0 (trainer.rollout_placement)
+    reward_model: "ray.actor.ActorHandle | None" = None  # reward_model.path: a RewardModelScorer actor
 
     def _get(self, role: str, method: str, refs: list):
         try:
@@ -202,12 +203,23 @@ def start_workers(cfg: Config) -> Workers:
         reference = ray.remote(num_cpus=res.pop("CPU", 0.0), num_gpus=res.pop("GPU", 0.0), resources=res or None,
                                max_restarts=3)(ReferenceWorker).remote(cfg.model_dump())
         pids["reference"] = [ray.get(reference.pid.remote())]
-    return Workers(policy, rollout, float(cfg.trainer.stage_timeout_s), pids, reference, colocated)
+    reward_model = None
+    if cfg.reward_model.path:
+        from components.models.loading import _check_dir
+        from components.rewards.reward_model import RewardModelScorer
+
+        rm = cfg.reward_model
+        _check_dir(rm.path, "reward_model.path")  # a clear error here, not an actor that fails to start
+        reward_model = ray.remote(num_cpus=0, max_restarts=3)(RewardModelScorer).remote(
+            rm.path, rm.dtype, rm.batch_size, cfg.trainer.num_threads)
+        pids["reward_model"] = [ray.get(reward_model.pid.remote())]
+    return Workers(policy, rollout, float(cfg.trainer.stage_timeout_s), pids, reference, colocated, reward_model)
 
 
 def stop_workers(workers: Workers) -> None:
     rollout = [] if workers.colocated else [workers.rollout]
-    for actor in [*workers.policy, *rollout, *([workers.reference] if workers.reference else [])]:
+    extra = [a for a in (workers.reference, workers.reward_model) if a is not None]
+    for actor in [*workers.policy, *rollout, *extra]:
         try:
             ray.kill(actor, no_restart=True)
         except ValueError:  # not an actor handle any more: nothing to kill
@@ -228,7 +240,7 @@ def _score_task(texts, truths, sources, extras, reward_cfg, scorers):
     return score_batch(texts, truths, sources, extras, reward_cfg, scorers)
 
 
-def score_in_worker(texts, truths, sources, extras, reward_cfg) -> tuple[list[float], list[bool]]:
+def score_in_worker(texts, truths, sources, extras, reward_cfg):
     """score_batch in a Ray task: a scorer that kills its process (a segfault, the OOM killer) is retried in a
     new one with the same inputs, so with the same result; a scorer that raises fails at once, naming the
     sample (Ray does not retry exceptions). The scorers are resolved here and shipped with the task."""

@@ -13,7 +13,7 @@ from components.config.schema import AlgorithmConfig
 from components.rewards.registry import REWARDS
 from components.rl import add_advantages, add_rewards, concat_rounds, first_groups, informative_rows
 
-REWARD_CFG = load_config(None).reward_model
+REWARD_CFG = load_config(None)
 
 
 @pytest.fixture

@@ -16,16 +16,6 @@ def prefect_harness():
         yield
 
 
-@pytest.fixture(scope="session")
-def ray_local():
-    from components.training.ray_workers import ensure_ray
-    import ray
-
-    ensure_ray()
-    yield
-    ray.shutdown()
-
-
 def small_overrides(root, iterations=4) -> list[str]:
     """A shrunken default pipeline whose every output lives under `root`."""
     return [f"trainer.run_dir={root}", f"data.raw_dir={root}/raw", f"data.train_path={root}/clean/train.parquet",

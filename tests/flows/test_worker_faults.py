@@ -12,7 +12,7 @@ from components.config import load_config
 from components.rewards.registry import REWARDS, score_batch
 from components.training.ray_workers import score_in_worker
 
-CFG = load_config(None).reward_model
+CFG = load_config(None)
 TEXTS = ["#### 3", "die", "#### 4", "#### 5"]
 TRUTHS = ["3", "3", "4", "6"]
 
@@ -33,7 +33,7 @@ def test_scorer_process_death_is_retried_with_identical_results(tmp_path, ray_lo
     finally:
         del REWARDS["test/dies"]
     assert os.path.exists(marker)
-    assert scored == expected == ([1.0, 0.0, 1.0, 0.0], [True] * 4)
+    assert scored == expected == ([1.0, 0.0, 1.0, 0.0], [True] * 4, {})
 
 
 def test_a_raising_scorer_fails_fast_naming_the_sample(tmp_path, ray_local):

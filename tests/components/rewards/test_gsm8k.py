@@ -30,11 +30,11 @@ def test_format_score_and_flexible():
 
 
 def test_score_batch_counts_invalid_and_names_failing_sample():
-    cfg = load_config(None).reward_model
+    cfg = load_config(None)
     REWARDS["test/nan"] = lambda rm: (lambda text, truth, extra: float("nan") if text == "bad" else 1.0)
     REWARDS["test/raise"] = lambda rm: (lambda text, truth, extra: 1 / 0)
     try:
-        scores, valid = score_batch(["ok", "bad"], ["1", "1"], ["test/nan"] * 2, [{}, {}], cfg)
+        scores, valid, _ = score_batch(["ok", "bad"], ["1", "1"], ["test/nan"] * 2, [{}, {}], cfg)
         assert scores == [1.0, 0.0] and valid == [True, False] and all(math.isfinite(s) for s in scores)
         with pytest.raises(RuntimeError, match="sample 0"):
             score_batch(["x"], ["1"], ["test/raise"], [{}], cfg)

@@ -1,0 +1,120 @@
+"""A learned reward model: a local Hugging Face sequence-classification model scoring prompt + response.
+
+`RewardModelScorer` loads it (`reward_model.path`, `reward_model.dtype`) and scores texts in batches; the
+training flow runs it as a Ray actor. `train_reward_model` fits one on preference pairs with the
+Bradley-Terry loss -log sigmoid(r_chosen - r_rejected), starting from a causal LM's weights (the SFT model),
+and `arith_preference_pairs` builds such pairs from the arithmetic task, so the path runs with no downloads.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from components.errors import ConfigError
+from components.models.loading import DTYPES, load_tokenizer
+
+
+def load_reward_model(path: str, dtype: str = "float32", key: str = "reward_model.path"):
+    from transformers import AutoModelForSequenceClassification
+
+    tokenizer = load_tokenizer(path, key)
+    tokenizer.padding_side = "right"  # positions start at 0 for every text; the score is read at its end
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+    if model.config.num_labels != 1:
+        raise ConfigError(f"{key}={path}: a reward model has one output (num_labels=1), this one has "
+                          f"{model.config.num_labels}. Point it at a reward model.")
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id  # the score is read at the last non-pad token
+    return tokenizer, model.eval()
+
+
+class RewardModelScorer:
+    """Scores prompt + response texts with a reward model, `batch_size` texts per forward pass."""
+
+    def __init__(self, path: str, dtype: str = "float32", batch_size: int = 32, num_threads: int = 1,
+                 max_length: int = 1024):
+        torch.set_num_threads(num_threads)
+        self.tokenizer, self.model = load_reward_model(path, dtype)
+        self.batch_size, self.max_length = batch_size, max_length
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    @torch.no_grad()
+    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+        texts = [p + r for p, r in zip(prompts, responses)]
+        out: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            enc = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
+                                 truncation=True, max_length=self.max_length, add_special_tokens=False)
+            out += self.model(**enc).logits[:, 0].float().tolist()
+        return out
+
+
+def arith_preference_pairs(rows: list[dict], tokenizer, seed: int) -> list[tuple[str, str, str]]:
+    """(prompt text, chosen, rejected) per row: the right answer against a near miss or a malformed one."""
+    rng = random.Random(seed)
+    pairs = []
+    for row in rows:
+        prompt = tokenizer.apply_chat_template(list(row["prompt"]), add_generation_prompt=True, tokenize=False)
+        truth = int(row["reward_model"]["ground_truth"])
+        wrong = truth + rng.choice([d for d in range(-10, 11) if d])
+        rejected = rng.choice([f"#### {wrong}", f"#### {wrong}", f"{truth}", f"#### {truth}{rng.randint(0, 9)}"])
+        pairs.append((prompt, f"#### {truth}", rejected))
+    return pairs
+
+
+def train_reward_model(init_path: str, pairs: list[tuple[str, str, str]], out: str | Path, *, steps: int,
+                       batch_size: int, lr: float, seed: int, on_step=None) -> dict[str, float]:
+    """Fit a one-output sequence classifier (backbone from the causal LM at init_path) on the pairs; save it in
+    Hugging Face format to `out`. Returns the final loss and the pair accuracy on the training pairs."""
+    from transformers import AutoModelForSequenceClassification
+
+    from components.models.loading import save_pretrained
+
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer(init_path, "reward_model.init_path")
+    tokenizer.padding_side = "right"
+    model = AutoModelForSequenceClassification.from_pretrained(init_path, num_labels=1, local_files_only=True)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    rng = random.Random(seed)
+
+    def rewards(texts: list[str]) -> torch.Tensor:
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        return model(**enc).logits[:, 0]
+
+    loss = torch.tensor(0.0)
+    model.train()
+    for step in range(steps):
+        chunk = rng.sample(pairs, min(batch_size, len(pairs)))
+        chosen = rewards([p + c for p, c, _ in chunk])
+        rejected = rewards([p + r for p, _, r in chunk])
+        loss = -F.logsigmoid(chosen - rejected).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if on_step:
+            on_step(step, float(loss))
+    model.eval()
+    save_pretrained(model, tokenizer, out)
+    return {"loss": float(loss), "pair_accuracy": pair_accuracy(model, tokenizer, pairs)}
+
+
+@torch.no_grad()
+def pair_accuracy(model, tokenizer, pairs: list[tuple[str, str, str]], batch_size: int = 256) -> float:
+    """The fraction of pairs whose chosen response the model scores above the rejected one."""
+    right = 0
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start:start + batch_size]
+        enc = lambda texts: tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)  # noqa
+        c = model(**enc([p + c for p, c, _ in chunk])).logits[:, 0]
+        r = model(**enc([p + r for p, _, r in chunk])).logits[:, 0]
+        right += int((c > r).sum())
+    return right / max(len(pairs), 1)
