@@ -29,6 +29,7 @@ def evaluate(worker, rows: list[dict], reward_cfg, k: int, max_new_tokens: int, 
                          ("sampled", SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens))):
         scores: list[float] = []
         sources: list[str] = []
+        calls: list[float] = []
         for start in range(0, len(rows), batch_size):
             chunk = rows[start:start + batch_size]
             batch = worker.generate(chunk, params, seed=seed + start, iteration=-1)
@@ -37,6 +38,7 @@ def evaluate(worker, rows: list[dict], reward_cfg, k: int, max_new_tokens: int, 
             s, _, _ = score_batch(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"], reward_cfg)
             scores += s
             sources += nt["data_source"]
+            calls += batch.tensors["tool_calls"].tolist() if "tool_calls" in batch.tensors else []
         if mode == "greedy":
             by: dict[str, list[float]] = defaultdict(list)
             for s_, src in zip(scores, sources):
@@ -44,6 +46,8 @@ def evaluate(worker, rows: list[dict], reward_cfg, k: int, max_new_tokens: int, 
             for src, vals in by.items():
                 results[f"val/{src.replace('/', '_')}/acc"] = sum(vals) / len(vals)
             results["val/acc"] = sum(scores) / len(scores)
+            if calls:  # multi-turn: how often the greedy policy calls a tool
+                results["val/tool_call_rate"] = sum(c > 0 for c in calls) / len(calls)
         else:
             results.update(accuracy_metrics(scores, sources, k))
     return results

@@ -21,9 +21,11 @@ if TYPE_CHECKING:
     from components.algorithms.presets import ResolvedAlgorithm
 
 
-def encode_prompts(tokenizer, rows: list[dict]) -> list[list[int]]:
-    """Token ids of each row's prompt, through the tokenizer's chat template."""
-    texts = [tokenizer.apply_chat_template(list(r["prompt"]), add_generation_prompt=True, tokenize=False)
+def encode_prompts(tokenizer, rows: list[dict], tools: list[dict] | None = None) -> list[list[int]]:
+    """Token ids of each row's prompt, through the tokenizer's chat template (which shows `tools`' schemas
+    to models whose template supports them)."""
+    extra = {"tools": tools} if tools else {}
+    texts = [tokenizer.apply_chat_template(list(r["prompt"]), add_generation_prompt=True, tokenize=False, **extra)
              for r in rows]
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
@@ -89,6 +91,12 @@ def add_rewards(batch: Batch, texts: list[str], cfg, overlong: tuple[int, int, f
     metrics.update({**_stats("critic/score", s), "reward/invalid_count": float(len(valid) - sum(valid)),
                **_stats("response_length", lengths.float()),
                "prompt_length/mean": float(batch.tensors["prompt_mask"].sum(-1).float().mean())})
+    t = batch.tensors
+    if "num_turns" in t:  # multi-turn rollouts
+        metrics.update({"num_turns/mean": float(t["num_turns"].mean()), "num_turns/max": float(t["num_turns"].max()),
+                        "tool_call_counts/mean": float(t["tool_calls"].mean()),
+                        "tool_call_rate": float((t["tool_calls"] > 0).float().mean()),
+                        "tool_errors/mean": float(t["tool_errors"].mean())})
     extra: dict[str, torch.Tensor] = {}
     if overlong is not None and overlong[1] > 0:
         penalty = overlong_penalty(lengths, *overlong)
@@ -101,7 +109,7 @@ def add_rewards(batch: Batch, texts: list[str], cfg, overlong: tuple[int, int, f
         extra["baseline_values"] = base[:, None] * mask
         metrics["reward/greedy_baseline_mean"] = float(base.mean())
     token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
-    last = (lengths - 1).clamp(min=0)
+    last = (torch.arange(1, mask.shape[1] + 1) * mask).argmax(-1)  # the last model token (tool turns may follow)
     token_rewards[torch.arange(len(scores)), last] = rewards
     metrics.update(_stats("critic/rewards", rewards))
     return batch.union(token_rewards=token_rewards, scores=s, valid=torch.tensor(valid), **extra), metrics

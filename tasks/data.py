@@ -41,7 +41,8 @@ def prepare_data(cfg: Config) -> list[str]:
     if d.gsm8k_path:
         train, test = gsm8k_rows(d.gsm8k_path, "train"), gsm8k_rows(d.gsm8k_path, "test")
     else:
-        train, test = arithmetic_rows(d.num_train, d.num_eval, d.max_operand, d.operations, cfg.trainer.seed)
+        train, test = arithmetic_rows(d.num_train, d.num_eval, d.max_operand, d.operations, cfg.trainer.seed,
+                                      d.tool_sft_fraction if d.task == "arith_tool" else None)
     paths = [write_parquet(train, raw / "train.parquet", ROW_SCHEMA), write_parquet(test, raw / "test.parquet",
                                                                                    ROW_SCHEMA)]
     logger().info("prepared %d train and %d test rows in %s", len(train), len(test), raw)

@@ -8,6 +8,7 @@ from prefect import task
 
 from components.config import Config
 from components.data.io import read_rows, to_plain, write_json
+from components.rollout.multi_turn import MultiTurnSettings
 from components.rollout.worker import RolloutWorker
 from components.tracking.mlflow_tracker import Tracker
 from components.training.seeding import derive_seed
@@ -17,7 +18,8 @@ from tasks.common import STAGE
 METRICS = ("math_acc",)  # --metric names: math_acc = rule-scored accuracy (greedy) plus mean@k / pass@k
 
 
-EVAL_CACHE = StageCache(config_keys=("engine", "actor.model", "reward_model", "custom_reward_function", "sandbox", "trainer.seed", "trainer.eval_k", "trainer.eval_size"),
+EVAL_CACHE = StageCache(config_keys=("engine", "actor.model", "reward_model", "custom_reward_function", "sandbox",
+                                     "multi_turn", "trainer.seed", "trainer.eval_k", "trainer.eval_size"),
                         reads=lambda i: [i["model_path"], i["eval_path"]])
 
 
@@ -25,7 +27,8 @@ EVAL_CACHE = StageCache(config_keys=("engine", "actor.model", "reward_model", "c
 def evaluate_model(model_path: str, eval_path: str, cfg: Config) -> dict[str, float]:
     """Greedy accuracy (`acc`) and sampled mean@k / pass@k of the model at `model_path`."""
     worker = RolloutWorker(model_path, cfg.engine.type, cfg.actor.model.dtype,
-                           cfg.actor.model.attention_implementation, cfg.trainer.num_threads, key="--model_path")
+                           cfg.actor.model.attention_implementation, cfg.trainer.num_threads, key="--model_path",
+                           multi_turn=MultiTurnSettings.from_config(cfg))
     rows = [to_plain(r) for r in read_rows(eval_path, key="--eval_data").to_dict("records")]
     rows = rows[:cfg.trainer.eval_size] if cfg.trainer.eval_size else rows
     m = worker.evaluate(rows, cfg, cfg.trainer.eval_k, cfg.engine.max_new_tokens,

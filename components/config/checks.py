@@ -118,6 +118,15 @@ def check_combinations(cfg: "Config") -> None:
     micro = cfg.actor.ppo_micro_batch_size
     if micro is not None and (mini or responses) % micro:
         problems.append(f"actor.ppo_micro_batch_size={micro} must divide the mini-batch ({mini or responses}).")
+    mt = cfg.multi_turn
+    if mt.enable and cfg.data.max_prompt_len + mt.max_turns * cfg.engine.max_new_tokens > cfg.actor.model.max_seq_len:
+        problems.append(f"actor.model.max_seq_len={cfg.actor.model.max_seq_len} is shorter than data.max_prompt_len "
+                        f"+ multi_turn.max_turns x engine.max_new_tokens = "
+                        f"{cfg.data.max_prompt_len + mt.max_turns * cfg.engine.max_new_tokens} (tool turns come on "
+                        "top); raise it or shorten those.")
+    if mt.enable and algo is not None and algo.needs_baseline:
+        problems.append(f"multi_turn.enable=true with algorithm.name={cfg.algorithm.name}: its greedy baseline is "
+                        "decoded in one turn, not with tools; use grpo, rloo or another estimator without it.")
     if cfg.data.max_prompt_len + cfg.engine.max_new_tokens > cfg.actor.model.max_seq_len:
         problems.append(f"actor.model.max_seq_len={cfg.actor.model.max_seq_len} is shorter than "
                         f"data.max_prompt_len + engine.max_new_tokens = "

@@ -130,6 +130,24 @@ class RewardModelConfig(Section):
         return self
 
 
+class MultiTurnConfig(Section):
+    """Multi-turn rollouts with hermes-style tool calls (components/rollout/multi_turn.py)."""
+
+    enable: bool = Field(False, description="let the model call tools between turns")
+    max_turns: int = Field(2, ge=1, description="assistant turns per sample (a call in the last one is not run)")
+    tools: list[str] = Field(["calculator"], description="tools offered: calculator, python (sandboxed)")
+    max_tool_response_chars: int = Field(256, ge=1, description="a tool's output is cut to this many characters")
+
+    @model_validator(mode="after")
+    def _known_tools(self) -> "MultiTurnConfig":
+        from components.rollout.tools import TOOLS
+
+        unknown = [t for t in self.tools if t not in TOOLS]
+        if unknown:
+            raise ValueError(f"multi_turn.tools: unknown tool(s) {unknown}; use some of {', '.join(TOOLS.names())}")
+        return self
+
+
 class CustomRewardConfig(Section):
     path: str | None = Field(None, description="a Python file inside the project whose function scores every row")
     name: str = Field("compute_score", description="the function's name: (response_text, ground_truth, "
@@ -168,6 +186,10 @@ class DataConfig(Section):
     max_operand: int = Field(99, ge=1, description="largest operand of a generated problem")
     operations: list[Literal["+", "-", "*"]] = Field(["+"], description="operators used by the generator")
     gsm8k_path: str | None = Field(None, description="local GSM8K jsonl/parquet to import instead")
+    task: Literal["arith", "arith_tool"] = Field("arith", description="generated task; arith_tool: SFT answers "
+                                                                       "that call the calculator (multi_turn)")
+    tool_sft_fraction: float = Field(0.5, ge=0, le=1, description="arith_tool: share of SFT answers that call "
+                                                                  "the calculator (the rest answer directly)")
 
 
 class SFTConfig(Section):
@@ -256,6 +278,7 @@ class Config(Section):
     custom_reward_function: CustomRewardConfig = Field(default_factory=CustomRewardConfig,
                                                        description="a user's reward function")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="code sandbox limits")
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="tool-calling rollouts")
     data: DataConfig = Field(default_factory=DataConfig, description="datasets")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="supervised warm start")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="loop, seeds, outputs")

@@ -17,6 +17,7 @@ from components.data.io import read_rows
 from components.errors import DataError
 
 ARITH_SOURCE = "arith"
+ARITH_TOOL_SOURCE = "arith_tool"
 GSM8K_SOURCE = "openai/gsm8k"
 
 ROW_SCHEMA = pa.schema([
@@ -43,20 +44,36 @@ def make_row(source: str, question: str, answer: str, ground_truth: str, split: 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
+def tool_answer(expression: str, result: int) -> str:
+    """A calculator trajectory as one SFT answer: the call, the tool's output (masked out of the SFT loss), the
+    final answer."""
+    from components.rollout.tools import tool_call_text
+
+    return (tool_call_text("calculator", {"expression": expression}) +
+            f"<tool_response>{result}</tool_response>#### {result}")
+
+
 def arithmetic_rows(num_train: int, num_eval: int, max_operand: int, operations: list[str],
-                    seed: int) -> tuple[list[dict], list[dict]]:
-    """Distinct two-operand problems `a+b=` with answers `#### N`, split into disjoint train and eval sets."""
+                    seed: int, tool_fraction: float | None = None) -> tuple[list[dict], list[dict]]:
+    """Distinct two-operand problems `a+b=` with answers `#### N`, split into disjoint train and eval sets.
+    tool_fraction (the arith_tool task) makes that share of the answers calculator trajectories, data_source
+    `arith_tool`."""
     problems = [(a, op, b) for op in operations for a in range(max_operand + 1) for b in range(max_operand + 1)]
     if num_train + num_eval > len(problems):
         raise DataError(f"data.num_train + data.num_eval = {num_train + num_eval} exceeds the {len(problems)} "
                         "distinct problems; raise data.max_operand or ask for fewer")
     random.Random(seed).shuffle(problems)
+    pick = random.Random(seed + 1)
 
     def rows(chunk, split):
         out = []
         for i, (a, op, b) in enumerate(chunk):
             result = _OPS[op](a, b)
-            out.append(make_row(ARITH_SOURCE, f"{a}{op}{b}=", f"#### {result}", str(result), split, i))
+            if tool_fraction is None:
+                out.append(make_row(ARITH_SOURCE, f"{a}{op}{b}=", f"#### {result}", str(result), split, i))
+                continue
+            answer = tool_answer(f"{a}{op}{b}", result) if pick.random() < tool_fraction else f"#### {result}"
+            out.append(make_row(ARITH_TOOL_SOURCE, f"{a}{op}{b}=", answer, str(result), split, i))
         return out
 
     return rows(problems[:num_train], "train"), rows(problems[num_train:num_train + num_eval], "test")

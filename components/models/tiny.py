@@ -13,18 +13,24 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
-# A chat template that joins message contents: the tiny model has no roles, real models bring their own.
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+# hermes-style tool-call markers, one token each (as in Qwen2.5's vocabulary), for multi-turn rollouts
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# A chat template that joins message contents (a tool's output inside <tool_response> tags): the tiny model has
+# no roles, real models bring their own.
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'tool' %}<tool_response>{{ m['content'] }}"
+                 "</tool_response>{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per printable ASCII character (newline included); decode joins them back."""
+    """One token per printable ASCII character (newline included), plus the tool-call markers; decode joins
+    them back."""
     chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
     vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *chars])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+    fast.add_tokens(TOOL_TOKENS)
     fast.chat_template = CHAT_TEMPLATE
     fast.padding_side = "left"
     return fast

@@ -18,6 +18,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()  # besides EOS: a sequence ends after sampling one of these
 
 
 @dataclass

@@ -63,6 +63,7 @@ class HFEngine:
         logp_out = torch.zeros((n_rows, params.max_new_tokens))
         active = torch.arange(n_rows)  # original row of each row still in the batch
         done = torch.zeros(n_rows, dtype=torch.bool)
+        stops = torch.tensor([self.eos_id, *params.stop_token_ids])
         logits, steps = decoder.logits, 0
         for t in range(params.max_new_tokens):
             tok, logp = sample_tokens(logits, params.temperature, params.top_k, params.top_p, gen)
@@ -70,7 +71,7 @@ class HFEngine:
             tokens_out[active, t] = tok
             logp_out[active, t] = torch.where(done, torch.zeros_like(logp), logp)
             steps = t + 1
-            done = done | (tok == self.eos_id)
+            done = done | torch.isin(tok, stops)
             n_done = int(done.sum())
             if n_done == len(active) or t == params.max_new_tokens - 1:
                 break
@@ -80,7 +81,7 @@ class HFEngine:
                 active, tok, done = active[keep], tok[keep], done[keep]
             logits = decoder.advance(tok)
         tokens_out, logp_out = tokens_out[:, :steps], logp_out[:, :steps]
-        response_mask = response_mask_from(tokens_out, self.eos_id, self.pad_id)
+        response_mask = response_mask_from(tokens_out, stops)
         return RolloutOutput(tokens_out, response_mask, logp_out * response_mask, self.weights_version)
 
 
@@ -139,8 +140,8 @@ class _LeanSteps:
         return logits
 
 
-def response_mask_from(tokens: torch.Tensor, eos_id: int, pad_id: int) -> torch.Tensor:
-    """1 up to and including the first EOS, 0 after it. (N, R) -> (N, R) long."""
-    is_eos = tokens == eos_id
+def response_mask_from(tokens: torch.Tensor, stops: torch.Tensor | int) -> torch.Tensor:
+    """1 up to and including the first stop token (EOS, or any of `stops`), 0 after it. (N, R) -> (N, R) long."""
+    is_eos = torch.isin(tokens, torch.as_tensor(stops))
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     return (~after_eos).long()

@@ -12,17 +12,23 @@ from components.batch import Batch
 from components.models.loading import load_model, load_tokenizer
 from components.rl import encode_prompts, rollout_batch
 from components.rollout.base import SamplingParams, make_engine
+from components.rollout.multi_turn import MultiTurnSettings, make_tools, multi_turn_generate
 
 
 class RolloutWorker:
     def __init__(self, model_path: str, engine_type: str = "hf", dtype: str = "float32", attn: str = "sdpa",
-                 num_threads: int = 2, key: str = "actor.model.path", model=None):
-        """`model`: sample with this module (a colocated policy's own) instead of loading a copy."""
+                 num_threads: int = 2, key: str = "actor.model.path", model=None,
+                 multi_turn: MultiTurnSettings | None = None):
+        """`model`: sample with this module (a colocated policy's own) instead of loading a copy.
+        `multi_turn`: samples may call tools between turns (components/rollout/multi_turn.py)."""
         torch.set_num_threads(num_threads)
         self.tokenizer = load_tokenizer(model_path, key)
         model = model if model is not None else load_model(model_path, dtype, attn, key)
         self.engine = make_engine(engine_type, model=model, eos_id=self.tokenizer.eos_token_id,
                                   pad_id=self.tokenizer.pad_token_id)
+        self.multi_turn = multi_turn
+        self.tools = make_tools(list(multi_turn.tools), multi_turn.sandbox_limits, multi_turn.concurrency) \
+            if multi_turn else {}
 
     def pid(self) -> int:
         return os.getpid()
@@ -45,9 +51,16 @@ class RolloutWorker:
             raise RuntimeError(f"rollout engine holds weights version {self.engine.weights_version}, "
                                f"the policy is at {expect_version}: sync weights before sampling")
         start = time.perf_counter()
-        prompt_ids = encode_prompts(self.tokenizer, rows)
-        out = self.engine.generate(prompt_ids, params, seed)
-        batch = rollout_batch(rows, prompt_ids, out, params.n, self.tokenizer.pad_token_id, iteration)
+        prompt_ids = encode_prompts(self.tokenizer, rows, [t.schema for t in self.tools.values()])
+        if self.multi_turn:
+            mt = multi_turn_generate(self.engine, self.tokenizer, prompt_ids, params, seed, self.tools,
+                                     self.multi_turn.max_turns, self.multi_turn.max_tool_chars)
+            batch = rollout_batch(rows, prompt_ids, mt.out, params.n, self.tokenizer.pad_token_id, iteration)
+            batch = batch.union(response_attention_mask=mt.attention_mask, num_turns=mt.num_turns,
+                                tool_calls=mt.tool_calls, tool_errors=mt.tool_errors)
+        else:
+            out = self.engine.generate(prompt_ids, params, seed)
+            batch = rollout_batch(rows, prompt_ids, out, params.n, self.tokenizer.pad_token_id, iteration)
         batch.meta["gen_seconds"] = time.perf_counter() - start  # in the worker: the stage's compute
         if greedy_baseline:
             greedy = self.engine.generate(prompt_ids, replace(params, n=1, temperature=0.0), seed)

@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 
 from components.algorithms.losses import POLICY_LOSSES, AggParams, PolicyLossParams, agg_loss, kl_penalty
 from components.batch import Batch
-from components.training.logprobs import batch_logprobs, response_logprobs
+from components.training.logprobs import batch_logprobs, response_attention, response_logprobs
 from components.training.distributed import Comm
 from components.training.loop import LoopSettings, minibatch_update
 
@@ -48,7 +48,7 @@ class PolicyTrainer:
 
     def _logprobs(self, model, b: Batch, entropy: bool = False):
         t = b.tensors
-        return response_logprobs(model, t["prompts"], t["prompt_mask"], t["responses"], t["response_mask"],
+        return response_logprobs(model, t["prompts"], t["prompt_mask"], t["responses"], response_attention(t),
                                  self.s.temperature, with_entropy=entropy)
 
     def off_policy(self, n_rows: int) -> bool:

@@ -8,7 +8,7 @@ from transformers import PreTrainedModel
 
 from components.algorithms.losses import AggParams, value_loss
 from components.batch import Batch
-from components.training.logprobs import sequence_inputs
+from components.training.logprobs import response_attention, sequence_inputs
 from components.training.distributed import Comm
 from components.training.loop import LoopSettings, minibatch_update, row_chunks
 
@@ -45,7 +45,7 @@ class CriticTrainer:
 
     def _forward(self, b: Batch) -> torch.Tensor:
         t = b.tensors
-        return self.model(t["prompts"], t["prompt_mask"], t["responses"], t["response_mask"])
+        return self.model(t["prompts"], t["prompt_mask"], t["responses"], response_attention(t))
 
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:

@@ -15,6 +15,12 @@ def sequence_inputs(prompts: torch.Tensor, prompt_mask: torch.Tensor, responses:
     return ids, mask, positions
 
 
+def response_attention(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The response tokens a forward pass sees (N, R): all of them, tool turns included, when the batch has
+    `response_attention_mask` (multi-turn); else response_mask. Losses use response_mask (model tokens only)."""
+    return t.get("response_attention_mask", t["response_mask"])
+
+
 def response_logprobs(model: PreTrainedModel, prompts: torch.Tensor, prompt_mask: torch.Tensor,
                       responses: torch.Tensor, response_mask: torch.Tensor, temperature: float = 1.0,
                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -45,6 +51,6 @@ def batch_logprobs(model: PreTrainedModel, batch, temperature: float, micro_batc
     parts = []
     for p in row_chunks(batch, micro_batch_size):
         t = p.tensors
-        parts.append(response_logprobs(model, t["prompts"], t["prompt_mask"], t["responses"], t["response_mask"],
+        parts.append(response_logprobs(model, t["prompts"], t["prompt_mask"], t["responses"], response_attention(t),
                                        temperature)[0])
     return torch.cat(parts)

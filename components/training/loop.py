@@ -22,12 +22,13 @@ from components.algorithms.losses import AggParams
 from components.batch import Batch
 from components.data.sampler import pack_by_tokens
 from components.training.distributed import Comm, make_step
+from components.training.logprobs import response_attention
 
 # (micro-batch, counts of its mini-batch) -> (loss to backpropagate, additive metrics of 0-dim tensors)
 MicroLoss = Callable[[Batch, AggParams], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 # tensors aligned with the response tokens (N, R): cut with the responses
-TOKEN_KEYS = ("responses", "response_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs", "advantages",
+TOKEN_KEYS = ("responses", "response_mask", "response_attention_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs", "advantages",
               "returns", "token_rewards", "values")
 
 
@@ -45,7 +46,7 @@ class LoopSettings:
 def row_lengths(b: Batch) -> torch.Tensor:
     """Tokens of each row (prompt + response), padding excluded."""
     t = b.tensors
-    return t["prompt_mask"].sum(1) + t["response_mask"].sum(1)
+    return t["prompt_mask"].sum(1) + response_attention(t).sum(1)
 
 
 def balanced_shards(b: Batch, n: int) -> list[list[int]]:
@@ -71,7 +72,7 @@ def trim_padding(b: Batch) -> Batch:
     """Drop prompt columns no row uses (left padding) and response columns past the longest response."""
     t = b.tensors
     p_used = t["prompt_mask"].any(0).nonzero()
-    r_used = t["response_mask"].any(0).nonzero()
+    r_used = response_attention(t).any(0).nonzero()
     p0 = int(p_used[0]) if len(p_used) else t["prompts"].shape[1] - 1
     r1 = int(r_used[-1]) + 1 if len(r_used) else 1
     cut = {k: v[:, p0:] for k, v in t.items() if k in ("prompts", "prompt_mask")}
@@ -88,7 +89,7 @@ def micro_batches(b: Batch, size: int | None, max_tokens: int | None = None) -> 
     """Micro-batches of `b`: packed to `max_tokens` when set, else consecutive parts of at most `size` rows
     (None = one part); each cut to its own padding."""
     if max_tokens:
-        lengths = (b.tensors["prompts"].shape[1] + b.tensors["response_mask"].sum(1)).tolist()
+        lengths = (b.tensors["prompts"].shape[1] + response_attention(b.tensors).sum(1)).tolist()
         return [trim_padding(b.select(idx)) for idx in pack_by_tokens(lengths, max_tokens)]
     return [trim_padding(p) for p in row_chunks(b, size)]
 

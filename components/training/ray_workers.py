@@ -11,6 +11,7 @@ import torch
 
 from components.batch import Batch
 from components.config import Config
+from components.rollout.multi_turn import MultiTurnSettings
 from components.rollout.worker import RolloutWorker
 from components.training.distributed import GroupSpec
 from components.training.loop import balanced_shards
@@ -195,7 +196,8 @@ def start_workers(cfg: Config) -> Workers:
         rollout, pids = policy[0], {"policy": policy_pids, "rollout": policy_pids[:1]}
     else:
         rollout = ray.remote(num_cpus=1, max_restarts=3)(RolloutWorker).remote(
-            m.path, cfg.engine.type, m.dtype, m.attention_implementation, cfg.trainer.num_threads)
+            m.path, cfg.engine.type, m.dtype, m.attention_implementation, cfg.trainer.num_threads,
+            multi_turn=MultiTurnSettings.from_config(cfg))
         pids = {"policy": policy_pids, "rollout": [ray.get(rollout.pid.remote())]}
     reference = None
     if resolve(cfg.algorithm).needs_reference and cfg.trainer.ref_placement == "separate":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -9,19 +10,31 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
+# a tool's output inside an answer (multi-turn trajectories): seen by the model, never a training target
+_TOOL_OUTPUT = re.compile(r"(<tool_response>.*?</tool_response>)", re.S)
+
+
 @dataclass
 class SFTExample:
     prompt_ids: list[int]
     answer_ids: list[int]  # ends with EOS
+    answer_mask: list[int] | None = None  # 1 = a target token; None = all of them
 
 
 def encode_examples(tokenizer: PreTrainedTokenizerBase, prompts: list[list[dict]], answers: list[str]
                     ) -> list[SFTExample]:
+    """Prompt through the chat template, answer + EOS; `<tool_response>...</tool_response>` spans of an
+    answer (a tool-calling trajectory) are tokenized on their own and masked out of the loss."""
     out = []
     for messages, answer in zip(prompts, answers):
         p = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        out.append(SFTExample(tokenizer(p, add_special_tokens=False)["input_ids"],
-                              tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]))
+        ids, mask = [], []
+        for k, part in enumerate(_TOOL_OUTPUT.split(answer)):
+            part_ids = tokenizer(part, add_special_tokens=False)["input_ids"] if part else []
+            ids += part_ids
+            mask += [k % 2 == 0] * len(part_ids)  # odd parts are the tool outputs
+        out.append(SFTExample(tokenizer(p, add_special_tokens=False)["input_ids"], ids + [tokenizer.eos_token_id],
+                              [int(m) for m in mask] + [1] if not all(mask) else None))
     return out
 
 
@@ -35,7 +48,10 @@ def collate(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
         seq = e.prompt_ids + e.answer_ids
         ids[i, :len(seq)] = torch.tensor(seq)
         mask[i, :len(seq)] = 1
-        labels[i, len(e.prompt_ids):len(seq)] = torch.tensor(e.answer_ids)
+        targets = torch.tensor(e.answer_ids)
+        if e.answer_mask is not None:
+            targets = torch.where(torch.tensor(e.answer_mask, dtype=torch.bool), targets, -100)
+        labels[i, len(e.prompt_ids):len(seq)] = targets
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
