@@ -92,6 +92,8 @@ def add_rewards(batch: Batch, texts: list[str], cfg, overlong: tuple[int, int, f
                **_stats("response_length", lengths.float()),
                "prompt_length/mean": float(batch.tensors["prompt_mask"].sum(-1).float().mean())})
     t = batch.tensors
+    if "engine_restarts" in batch.meta:  # engines restarted during this rollout (health checks, deaths)
+        metrics["rollout/engine_restarts"] = float(batch.meta["engine_restarts"])
     if "num_turns" in t:  # multi-turn rollouts
         metrics.update({"num_turns/mean": float(t["num_turns"].mean()), "num_turns/max": float(t["num_turns"].max()),
                         "tool_call_counts/mean": float(t["tool_calls"].mean()),

@@ -8,6 +8,7 @@ from prefect import task
 
 from components.config import Config
 from components.data.io import read_rows, to_plain, write_json
+from components.rollout.completions import EngineOptions
 from components.rollout.multi_turn import MultiTurnSettings
 from components.rollout.worker import RolloutWorker
 from components.tracking.mlflow_tracker import Tracker
@@ -26,8 +27,8 @@ EVAL_CACHE = StageCache(config_keys=("engine", "actor.model", "reward_model", "c
 @task(name="evaluate-model", timeout_seconds=STAGE["timeout_seconds"], **cached_stage(EVAL_CACHE))
 def evaluate_model(model_path: str, eval_path: str, cfg: Config) -> dict[str, float]:
     """Greedy accuracy (`acc`) and sampled mean@k / pass@k of the model at `model_path`."""
-    worker = RolloutWorker(model_path, cfg.engine.type, cfg.actor.model.dtype,
-                           cfg.actor.model.attention_implementation, cfg.trainer.num_threads, key="--model_path",
+    worker = RolloutWorker(model_path, cfg.engine.type, EngineOptions.from_config(cfg), cfg.trainer.num_threads,
+                           key="--model_path",
                            multi_turn=MultiTurnSettings.from_config(cfg))
     rows = [to_plain(r) for r in read_rows(eval_path, key="--eval_data").to_dict("records")]
     rows = rows[:cfg.trainer.eval_size] if cfg.trainer.eval_size else rows

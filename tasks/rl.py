@@ -34,9 +34,20 @@ def generate_rollouts(workers: Workers, rows: list[dict], cfg: Config, iteration
     gets one greedy completion per prompt. `round_` counts dynamic sampling's extra rounds."""
     seed = derive_seed(cfg.trainer.seed, iteration, "rollout", *([round_] if round_ else []))
     greedy = resolve(cfg.algorithm).needs_baseline
-    if not workers.colocated:  # a colocated engine is the policy's own module: never stale
-        ensure_current(workers, version)
-    return workers.call("rollout", "generate", rows, sampling_params(cfg), seed, iteration, version, greedy)
+    pool = workers.pool
+    if pool is None:  # colocated: the engine is the policy's own module, never stale
+        return workers.call("rollout", "generate", rows, sampling_params(cfg), seed, iteration, version, greedy)
+    restarts = pool.restarts
+    if cfg.engine.health_check:
+        pool.health_check()
+    ensure_current(workers, version)
+    seeds = [seed] if len(pool.actors) == 1 else [derive_seed(seed, "engine", k) for k in range(len(pool.actors))]
+    load = [sum(len(m["content"]) for m in r["prompt"]) for r in rows]
+    batch = pool.generate(rows, load, (sampling_params(cfg), iteration, version, greedy), seeds, workers.timeout_s)
+    batch.meta["engine_restarts"] = pool.restarts - restarts
+    if pool.restarts != restarts:
+        workers.refresh_pid("rollout")
+    return batch
 
 
 @stage(name="reward")
@@ -115,10 +126,12 @@ def push_weights(workers: Workers) -> int:
 def ensure_current(workers: Workers, version: int) -> None:
     """A rollout actor that Ray restarted after it died comes back with the SFT weights (version 0): give it
     the policy's current weights before it samples, so a stale engine is never sampled."""
-    if workers.call("rollout", "weights_version") != version:
-        logger().warning("rollout worker holds stale weights (restarted?); pushing version %d", version)
+    stale = workers.stale_engines(version)
+    if stale:
+        logger().warning("%d rollout engine(s) hold stale weights (restarted?); pushing version %d", len(stale),
+                         version)
         workers.refresh_pid("rollout")
-        push_weights(workers)
+        workers.push_weights_to(stale)
 
 
 @stage(name="update-weights", retry_condition_fn=retry_transient, **RETRY_TRANSIENT)

@@ -7,16 +7,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from components.errors import ConfigError
+from components.rollout.completions import engine_problems
 
 if TYPE_CHECKING:
     from components.config.schema import Config
 
-# engine.type -> (python module, install command); the hf engine ships with the core install.
-ENGINE_PACKAGES = {
-    "vllm": ("vllm", "pip install 'reinforge[gpu]'  (vllm, needs a CUDA GPU)"),
-    "sglang": ("sglang", "pip install 'reinforge[gpu]'  (sglang, needs a CUDA GPU)"),
-    "trtllm": ("tensorrt_llm", "pip install tensorrt-llm  (needs a CUDA GPU)"),
-}
 
 
 # Paths the pipeline reads as data or writes to: each must resolve (symlinks followed) inside trainer.run_dir.
@@ -98,11 +93,12 @@ def check_combinations(cfg: "Config") -> None:
         algo = presets.resolve(cfg.algorithm)
     except KeyError as exc:
         problems.append(str(exc.args[0]))
-    if cfg.engine.type in ENGINE_PACKAGES:
-        module, install = ENGINE_PACKAGES[cfg.engine.type]
-        if importlib.util.find_spec(module) is None:
-            problems.append(f"engine.type={cfg.engine.type}: package `{module}` is not installed. "
-                            f"Install it with `{install}`, or set engine.type=hf.")
+    problems += engine_problems(cfg.engine.type)
+    if cfg.trainer.rollout_placement == "colocate" and (cfg.engine.type != "hf" or cfg.engine.num_engines > 1):
+        problems.append(f"trainer.rollout_placement=colocate samples with the policy's own module: one hf engine "
+                        f"(engine.type={cfg.engine.type}, engine.num_engines={cfg.engine.num_engines}). Use "
+                        "trainer.rollout_placement=separate; to share a GPU with the policy set engine.num_gpus to "
+                        "a fraction and engine.sleep_during_update=true.")
     if algo is not None and (algo.grouped or algo.dynamic_sampling) and cfg.engine.n < 2:
         what = algo.adv_estimator if algo.grouped else "dynamic sampling"
         problems.append(f"engine.n={cfg.engine.n}: {what} compares completions of one prompt, "

@@ -100,6 +100,19 @@ class EngineConfig(Section):
     top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
     n: int = Field(8, ge=1, description="completions sampled per prompt")
     max_new_tokens: int = Field(16, ge=1, description="response length limit")
+    num_engines: int = Field(1, ge=1, description="data-parallel rollout engines (Ray actors); prompts are split "
+                                                  "across them by prompt tokens")
+    health_check: bool = Field(False, description="before each rollout every engine must answer a one-token "
+                                                  "generation within health_check_timeout_s, else it is restarted")
+    health_check_timeout_s: float = Field(60.0, gt=0, description="seconds an engine has to answer its health check")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine (vllm, sglang, trtllm)")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of a GPU an engine may fill with "
+                                                                       "weights and KV cache")
+    num_gpus: float | None = Field(None, ge=0, description="GPUs reserved per engine actor; None = "
+                                                           "tensor_parallel_size (0 for hf); a fraction shares a GPU "
+                                                           "with the policy")
+    sleep_during_update: bool = Field(False, description="free the engine's KV cache (vLLM sleep, SGLang release) "
+                                                         "while the policy updates on the same GPU")
 
 
 class RewardModelConfig(Section):

@@ -37,6 +37,8 @@ class RolloutOutput:
 
 
 class RolloutEngine(Protocol):
+    """Built by `make_engine`; GPU engines may also free their memory between rollouts (`sleep` / `wake`)."""
+
     weights_version: int
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:
@@ -46,13 +48,35 @@ class RolloutEngine(Protocol):
         """Load new policy weights; `version` must grow, so a stale engine is never sampled."""
 
 
-# engine.type -> "module:Class"; modules are imported only when chosen.
-ENGINES = {"hf": "components.rollout.hf:HFEngine"}
+def check_newer(current: int, version: int) -> None:
+    """Weights only move forward: loading an older version than the engine holds is refused.
+
+    >>> check_newer(3, 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: weights version 2 is older than the engine's 3
+    """
+    if version < current:
+        raise ValueError(f"weights version {version} is older than the engine's {current}")
 
 
-def make_engine(engine_type: str, **kwargs) -> RolloutEngine:
+# engine.type -> "module:Class"; modules (and their packages) are imported only when chosen.
+ENGINES = {"hf": "components.rollout.hf:HFEngine", "vllm": "components.rollout.vllm_engine:VLLMEngine",
+           "sglang": "components.rollout.sglang_engine:SGLangEngine",
+           "trtllm": "components.rollout.trtllm_engine:TRTLLMEngine"}
+
+
+def make_engine(engine_type: str, path: str, eos_id: int, pad_id: int, options=None, model=None,
+                key: str = "actor.model.path") -> RolloutEngine:
+    """The engine for `engine.type`, over the model at `path` (the hf engine can take a loaded `model`, a
+    colocated policy's own module). A missing package raises ConfigError with its install command."""
+    from components.rollout.completions import EngineOptions
+
     if engine_type not in ENGINES:
-        raise ConfigError(f"engine.type={engine_type}: no adapter is built into this version yet; "
-                          f"available: {', '.join(sorted(ENGINES))}. Set engine.type=hf.")
+        raise ConfigError(f"engine.type={engine_type}: unknown; available: {', '.join(sorted(ENGINES))}.")
     module, cls = ENGINES[engine_type].split(":")
-    return getattr(importlib.import_module(module), cls)(**kwargs)
+    engine_cls = getattr(importlib.import_module(module), cls)
+    options = options or EngineOptions()
+    if hasattr(engine_cls, "from_path"):  # engines that can also sample with an already loaded module
+        return engine_cls.from_path(path, eos_id, pad_id, options, model=model, key=key)
+    return engine_cls(path, eos_id, pad_id, options)

@@ -63,18 +63,22 @@ class LeanDecoder:
             w = torch.cat([p.weight for p in projs]).detach()
             b = None
             if any(p.bias is not None for p in projs):  # a missing bias is zeros
-                b = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=w.dtype)
+                b = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=w.dtype, device=w.device)
                                for p in projs]).detach()
             self._packed.append((w, b))
 
     def new_cache(self, rows: int, length: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (rows, self.n_kv, length, self.head_dim)
-        return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in self.layers]
+        shape, device = (rows, self.n_kv, length, self.head_dim), self._device()
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in self.layers]
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def rotary_table(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (length, D) from the model's own rotary module."""
-        pos = torch.arange(length)[None]
-        cos, sin = self.model.model.rotary_emb(torch.zeros(1, dtype=dtype), pos)
+        pos = torch.arange(length, device=self._device())[None]
+        cos, sin = self.model.model.rotary_emb(torch.zeros(1, dtype=dtype, device=pos.device), pos)
         return cos[0], sin[0]
 
     def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -121,5 +125,5 @@ def prefill_mask(mask: torch.Tensor) -> torch.Tensor:
     """(N, 1, P, P) bool: causal, padding keys hidden; a padding query sees itself (a row of no keys would be
     NaN, and its NaN keys would then poison the rows that mask them)."""
     p = mask.shape[1]
-    causal = torch.ones(p, p, dtype=torch.bool).tril()
-    return (causal & mask.bool()[:, None, :]).logical_or(torch.eye(p, dtype=torch.bool))[:, None]
+    causal = torch.ones(p, p, dtype=torch.bool, device=mask.device).tril()
+    return (causal & mask.bool()[:, None, :]).logical_or(torch.eye(p, dtype=torch.bool, device=mask.device))[:, None]

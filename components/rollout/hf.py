@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from components.rollout.base import RolloutOutput, SamplingParams
+from components.rollout.base import RolloutOutput, SamplingParams, check_newer
 from components.rollout.fast_decode import LeanDecoder, prefill_mask, unsupported_reason
 from components.rollout.sampling import sample_tokens
 
@@ -36,34 +36,50 @@ class HFEngine:
         self.slow_reason = unsupported_reason(model) if fast_decode else "fast_decode=False"
         self.lean = LeanDecoder(model) if self.slow_reason is None else None
 
-    def _check_newer(self, version: int) -> None:
-        if version < self.weights_version:
-            raise ValueError(f"weights version {version} is older than the engine's {self.weights_version}")
+    @classmethod
+    def from_path(cls, path: str, eos_id: int, pad_id: int, options, model=None,
+                  key: str = "actor.model.path") -> "HFEngine":
+        """Load the model at `path` (or sample with `model`, a colocated policy's own module)."""
+        from components.models.loading import load_model
+
+        if model is None:
+            model = load_model(path, options.dtype, options.attention_implementation, key)
+            if torch.cuda.is_available():  # a Ray actor sees only the GPUs it reserved (engine.num_gpus)
+                model = model.to("cuda")
+        return cls(model, eos_id, pad_id)
+
+    def sleep(self) -> None:
+        """Nothing to free: the hf engine keeps no KV cache between rollouts."""
+
+    def wake(self) -> None:
+        """Nothing to restore."""
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        self._check_newer(version)
+        check_newer(self.weights_version, version)
         self.model.load_state_dict(state_dict, strict=True)
         self.weights_version = version
 
     def mark_current(self, version: int) -> None:
         """The engine samples with the policy's own module (colocated): its weights are already the policy's,
         only the version moves."""
-        self._check_newer(version)
+        check_newer(self.weights_version, version)
         self.weights_version = version
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:
-        gen = torch.Generator().manual_seed(seed)
+        device = next(self.model.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(seed)
         ids, mask = left_pad(prompts, self.pad_id)
-        ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)  # (N, P)
+        ids = ids.repeat_interleave(params.n, 0).to(device)  # (N, P)
+        mask = mask.repeat_interleave(params.n, 0).to(device)
         decoder = _LeanSteps(self.lean, self.model, ids, mask, params.max_new_tokens) if self.lean is not None \
             else _HFSteps(self.model, ids, mask)
         n_rows = ids.shape[0]
-        tokens_out = torch.full((n_rows, params.max_new_tokens), self.pad_id, dtype=torch.long)
-        logp_out = torch.zeros((n_rows, params.max_new_tokens))
-        active = torch.arange(n_rows)  # original row of each row still in the batch
-        done = torch.zeros(n_rows, dtype=torch.bool)
-        stops = torch.tensor([self.eos_id, *params.stop_token_ids])
+        tokens_out = torch.full((n_rows, params.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        logp_out = torch.zeros((n_rows, params.max_new_tokens), device=device)
+        active = torch.arange(n_rows, device=device)  # original row of each row still in the batch
+        done = torch.zeros(n_rows, dtype=torch.bool, device=device)
+        stops = torch.tensor([self.eos_id, *params.stop_token_ids], device=device)
         logits, steps = decoder.logits, 0
         for t in range(params.max_new_tokens):
             tok, logp = sample_tokens(logits, params.temperature, params.top_k, params.top_p, gen)
@@ -80,8 +96,8 @@ class HFEngine:
                 decoder.keep(keep)
                 active, tok, done = active[keep], tok[keep], done[keep]
             logits = decoder.advance(tok)
-        tokens_out, logp_out = tokens_out[:, :steps], logp_out[:, :steps]
-        response_mask = response_mask_from(tokens_out, stops)
+        tokens_out, logp_out = tokens_out[:, :steps].cpu(), logp_out[:, :steps].cpu()
+        response_mask = response_mask_from(tokens_out, stops.cpu())
         return RolloutOutput(tokens_out, response_mask, logp_out * response_mask, self.weights_version)
 
 
@@ -99,7 +115,7 @@ class _HFSteps:
 
     def advance(self, tok: torch.Tensor) -> torch.Tensor:
         """Logits (N, V) after feeding one token per row."""
-        self.mask = torch.cat([self.mask, torch.ones((len(tok), 1), dtype=self.mask.dtype)], dim=1)
+        self.mask = torch.cat([self.mask, torch.ones((len(tok), 1), dtype=self.mask.dtype, device=tok.device)], dim=1)
         out = self.model(input_ids=tok[:, None], attention_mask=self.mask, position_ids=self.next_pos,
                          cache=self.cache, use_cache=True)
         self.next_pos = self.next_pos + 1
@@ -120,7 +136,7 @@ class _LeanSteps:
         total = self.col + max_new_tokens
         self.lean, self.cache = lean, lean.new_cache(n_rows, total, dtype)
         self.rope = lean.rotary_table(total, dtype)
-        self.keys = torch.zeros((n_rows, total), dtype=torch.bool)  # which cache columns each row attends to
+        self.keys = torch.zeros((n_rows, total), dtype=torch.bool, device=ids.device)  # cache columns a row sees
         self.keys[:, :self.col] = mask.bool()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         self.logits = lean.forward(ids, positions, self.cache, 0, prefill_mask(mask), self.rope)

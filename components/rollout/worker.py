@@ -9,23 +9,23 @@ from dataclasses import replace
 import torch
 
 from components.batch import Batch
-from components.models.loading import load_model, load_tokenizer
+from components.models.loading import load_tokenizer
+from components.rollout.completions import EngineOptions
 from components.rl import encode_prompts, rollout_batch
 from components.rollout.base import SamplingParams, make_engine
 from components.rollout.multi_turn import MultiTurnSettings, make_tools, multi_turn_generate
 
 
 class RolloutWorker:
-    def __init__(self, model_path: str, engine_type: str = "hf", dtype: str = "float32", attn: str = "sdpa",
+    def __init__(self, model_path: str, engine_type: str = "hf", options: EngineOptions | None = None,
                  num_threads: int = 2, key: str = "actor.model.path", model=None,
                  multi_turn: MultiTurnSettings | None = None):
         """`model`: sample with this module (a colocated policy's own) instead of loading a copy.
         `multi_turn`: samples may call tools between turns (components/rollout/multi_turn.py)."""
         torch.set_num_threads(num_threads)
         self.tokenizer = load_tokenizer(model_path, key)
-        model = model if model is not None else load_model(model_path, dtype, attn, key)
-        self.engine = make_engine(engine_type, model=model, eos_id=self.tokenizer.eos_token_id,
-                                  pad_id=self.tokenizer.pad_token_id)
+        self.engine = make_engine(engine_type, model_path, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
+                                  options or EngineOptions(dtype="float32"), model=model, key=key)
         self.multi_turn = multi_turn
         self.tools = make_tools(list(multi_turn.tools), multi_turn.sandbox_limits, multi_turn.concurrency) \
             if multi_turn else {}
@@ -36,7 +36,17 @@ class RolloutWorker:
     def weights_version(self) -> int:
         return self.engine.weights_version
 
+    def health(self) -> int:
+        """A one-token greedy generation; returns this process's pid (a changed pid = Ray restarted it)."""
+        self.engine.wake()
+        out = self.engine.generate([[self.tokenizer.eos_token_id]], SamplingParams(n=1, temperature=0.0,
+                                                                                   max_new_tokens=1), seed=0)
+        if out.responses.shape[0] != 1:
+            raise RuntimeError("the engine's health-check generation returned no sample")
+        return os.getpid()
+
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
+        self.engine.wake()  # a sleeping engine has its weights offloaded
         self.engine.update_weights(state_dict, version)
         return self.engine.weights_version
 
@@ -51,6 +61,7 @@ class RolloutWorker:
             raise RuntimeError(f"rollout engine holds weights version {self.engine.weights_version}, "
                                f"the policy is at {expect_version}: sync weights before sampling")
         start = time.perf_counter()
+        self.engine.wake()
         prompt_ids = encode_prompts(self.tokenizer, rows, [t.schema for t in self.tools.values()])
         if self.multi_turn:
             mt = multi_turn_generate(self.engine, self.tokenizer, prompt_ids, params, seed, self.tools,
@@ -66,6 +77,8 @@ class RolloutWorker:
             greedy = self.engine.generate(prompt_ids, replace(params, n=1, temperature=0.0), seed)
             batch = batch.union(baseline_responses=greedy.responses.repeat_interleave(params.n, 0),
                                 baseline_mask=greedy.response_mask.repeat_interleave(params.n, 0))
+        if iteration >= 0:  # a training rollout: the policy update comes next
+            self.engine.sleep()
         return batch
 
     def decode(self, batch: Batch) -> list[str]:

@@ -11,7 +11,9 @@ import torch
 
 from components.batch import Batch
 from components.config import Config
+from components.rollout.completions import EngineOptions
 from components.rollout.multi_turn import MultiTurnSettings
+from components.rollout.pool import EnginePool
 from components.rollout.worker import RolloutWorker
 from components.training.distributed import GroupSpec
 from components.training.loop import balanced_shards
@@ -88,6 +90,7 @@ class Workers:
     reference: "ray.actor.ActorHandle | None" = None  # trainer.ref_placement=separate
     colocated: bool = False  # the rollout engine is policy worker 0 (trainer.rollout_placement)
     reward_model: "ray.actor.ActorHandle | None" = None  # reward_model.path: a RewardModelScorer actor
+    pool: "EnginePool | None" = None  # all rollout actors (engine.num_engines); pool.actors[0] is `rollout`
 
     def _get(self, role: str, method: str, refs: list):
         try:
@@ -124,14 +127,30 @@ class Workers:
         colocated engine samples with the policy's own parameters: only the version moves."""
         if self.colocated:
             return self._get("policy", "share_weights", [self.policy[0].share_weights.remote()])[0]
+        return self.push_weights_to(self.engines())
+
+    def push_weights_to(self, engines: list) -> int:
+        """The policy's weights into these rollout actors (one object-store copy shared by all of them)."""
         refs = [a.get_weights.options(num_returns=2).remote() for a in self.policy]
         weights, version = refs[0]
-        done = self.rollout.update_weights.remote(weights, version)
-        return self._get("policy", "get_weights", [done] + [r[1] for r in refs[1:]])[0]
+        done = [e.update_weights.remote(weights, version) for e in engines]
+        return self._get("policy", "get_weights", done + [r[1] for r in refs[1:]])[0]
+
+    def stale_engines(self, version: int) -> list:
+        """The rollout actors whose weights are not `version` (a restarted one holds the SFT weights)."""
+        engines = self.engines()
+        versions = self._get("rollout", "weights_version", [e.weights_version.remote() for e in engines])
+        return [e for e, v in zip(engines, versions) if v != version]
+
+    def engines(self) -> list:
+        """Every rollout actor: the pool's, or the one `rollout` (colocated: policy worker 0)."""
+        return self.pool.actors if self.pool is not None else [self.rollout]
 
     def refresh_pid(self, role: str) -> None:
         """After Ray restarted an actor, its process is a new one."""
-        self.pids[role] = [ray.get(self.rollout.pid.remote())] if role == "rollout" else \
+        if role == "rollout" and self.pool is not None:
+            self.rollout = self.pool.actors[0]
+        self.pids[role] = ray.get([e.pid.remote() for e in self.engines()]) if role == "rollout" else \
             ray.get([a.pid.remote() for a in self.policy])
 
 
@@ -142,7 +161,7 @@ def workers_that_fit(cfg: Config) -> int:
     t = cfg.trainer
     need = {k: v for k, v in t.worker_resources.items() if v > 0}
     total = ray.cluster_resources()
-    # the rollout actor takes a CPU, a separate reference actor one worker's resources
+    # the rollout actors take a CPU between them, a separate reference actor one worker's resources
     separate_ref = resolve(cfg.algorithm).needs_reference and t.ref_placement == "separate"
     fits = min([int((total.get(k, 0.0) - (1.0 if k == "CPU" else 0.0)) // v) - separate_ref
                 for k, v in need.items()] or [t.num_workers])
@@ -159,7 +178,8 @@ def workers_that_fit(cfg: Config) -> int:
 def colocate_rollout(cfg: Config, n: int) -> bool:
     """trainer.rollout_placement resolved for n policy workers: auto colocates one worker with an hf engine."""
     placement = cfg.trainer.rollout_placement
-    return placement == "colocate" or (placement == "auto" and n == 1 and cfg.engine.type == "hf")
+    return placement == "colocate" or (placement == "auto" and n == 1 and cfg.engine.type == "hf"
+                                       and cfg.engine.num_engines == 1)
 
 
 def start_policy_group(cfg: Config, n: int, colocated: bool = False) -> tuple[list, list[int]]:
@@ -180,7 +200,6 @@ def start_policy_group(cfg: Config, n: int, colocated: bool = False) -> tuple[li
 
 def start_workers(cfg: Config) -> Workers:
     ensure_ray()
-    m = cfg.actor.model
     n = workers_that_fit(cfg)
     if n != cfg.trainer.num_workers:
         import logging
@@ -195,10 +214,8 @@ def start_workers(cfg: Config) -> Workers:
     if colocated:
         rollout, pids = policy[0], {"policy": policy_pids, "rollout": policy_pids[:1]}
     else:
-        rollout = ray.remote(num_cpus=1, max_restarts=3)(RolloutWorker).remote(
-            m.path, cfg.engine.type, m.dtype, m.attention_implementation, cfg.trainer.num_threads,
-            multi_turn=MultiTurnSettings.from_config(cfg))
-        pids = {"policy": policy_pids, "rollout": [ray.get(rollout.pid.remote())]}
+        engines = [start_engine(cfg) for _ in range(cfg.engine.num_engines)]
+        rollout, pids = engines[0], {"policy": policy_pids, "rollout": ray.get([e.pid.remote() for e in engines])}
     reference = None
     if resolve(cfg.algorithm).needs_reference and cfg.trainer.ref_placement == "separate":
         res = dict(cfg.trainer.worker_resources)
@@ -215,11 +232,26 @@ def start_workers(cfg: Config) -> Workers:
         reward_model = ray.remote(num_cpus=0, max_restarts=3)(RewardModelScorer).remote(
             rm.path, rm.dtype, rm.batch_size, cfg.trainer.num_threads)
         pids["reward_model"] = [ray.get(reward_model.pid.remote())]
-    return Workers(policy, rollout, float(cfg.trainer.stage_timeout_s), pids, reference, colocated, reward_model)
+    workers = Workers(policy, rollout, float(cfg.trainer.stage_timeout_s), pids, reference, colocated, reward_model)
+    if not colocated:
+        workers.pool = EnginePool(engines, lambda: start_engine(cfg), lambda e: workers.push_weights_to([e]),
+                                  cfg.engine.health_check_timeout_s)
+    return workers
+
+
+def start_engine(cfg: Config):
+    """One rollout actor (RolloutWorker with the configured engine). Ray restarts it up to 3 times; GPU engines
+    reserve engine.num_gpus (default tensor_parallel_size) GPUs, hf engines share one CPU between them."""
+    e = cfg.engine
+    gpus = e.num_gpus if e.num_gpus is not None else (0 if e.type == "hf" else e.tensor_parallel_size)
+    cpus = 1.0 / e.num_engines if e.type == "hf" else 1.0
+    return ray.remote(num_cpus=cpus, num_gpus=gpus, max_restarts=3)(RolloutWorker).remote(
+        cfg.actor.model.path, e.type, EngineOptions.from_config(cfg), cfg.trainer.num_threads,
+        multi_turn=MultiTurnSettings.from_config(cfg))
 
 
 def stop_workers(workers: Workers) -> None:
-    rollout = [] if workers.colocated else [workers.rollout]
+    rollout = [] if workers.colocated else workers.engines()
     extra = [a for a in (workers.reference, workers.reward_model) if a is not None]
     for actor in [*workers.policy, *rollout, *extra]:
         try:

@@ -285,12 +285,13 @@ class ColocatedWorker(PolicyWorker):
     process (and one copy of the model) fewer."""
 
     def setup(self, spec: D.GroupSpec) -> int:
+        from components.rollout.completions import EngineOptions
         from components.rollout.multi_turn import MultiTurnSettings
         from components.rollout.worker import RolloutWorker
 
         pid = super().setup(spec)
         m = self.cfg.actor.model
-        self.rollout = RolloutWorker(m.path, self.cfg.engine.type, m.dtype, m.attention_implementation,
+        self.rollout = RolloutWorker(m.path, self.cfg.engine.type, EngineOptions.from_config(self.cfg),
                                      self.cfg.trainer.num_threads, model=D.unwrap(self.model),
                                      multi_turn=MultiTurnSettings.from_config(self.cfg))
         return pid

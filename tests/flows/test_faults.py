@@ -169,3 +169,37 @@ def test_rollout_and_policy_workers_killed_mid_run(start, whole, monkeypatch):
     assert killed == {"rollout": 1, "policy": 1}, killed
     assert sorted(scored) == list(range(1, ITERATIONS + 1))  # each iteration's samples scored exactly once
     assert _same_final_model(whole, info)
+
+
+def test_two_engines_with_health_checks_survive_one_killed(start):
+    """7. engine.num_engines=2 with health checks: one engine SIGKILLed after iteration 1 is restarted (by Ray, or
+    by the health check), gets the current weights, and the run completes with the restart logged as
+    rollout/engine_restarts."""
+    import threading
+
+    from flows.train import train_flow
+
+    root, ov = start
+    out = root / "engine_killed"
+    pointer = out / "checkpoints" / "latest"
+    killed: list[int] = []
+
+    def killer():
+        deadline = time.time() + 300
+        while time.time() < deadline and not (pointer.is_file() and pointer.read_text().strip() == "iter_000001"):
+            time.sleep(0.02)
+        pids = _pids("ray::RolloutWorker") or _pids("ray::Slow")
+        if pids:
+            os.kill(pids[0], signal.SIGKILL)
+            killed.append(pids[0])
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    info = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={out}", "trainer.rollout_placement=separate",
+                                                        "engine.num_engines=2", "engine.health_check=true"])
+    thread.join(30)
+    client = MlflowClient(f"sqlite:///{root}/mlruns.db")
+    restarts = client.get_metric_history(info["run_id"], "rollout/engine_restarts")
+    assert killed and sorted(m.step for m in restarts) == list(range(1, ITERATIONS + 1))
+    assert sum(m.value for m in restarts) >= 1
+    assert info["iterations"] == ITERATIONS

@@ -103,3 +103,20 @@ def test_presets_fill_unset_knobs_and_keys_override_them():
 def test_impossible_algorithm_combinations_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("configs/arith_grpo.yaml", overrides)
+
+
+@pytest.mark.parametrize("path", ["configs/gsm8k_grpo_qwen2_7b.yaml", "configs/gsm8k_grpo_qwen2_5_0_5b.yaml",
+                                  "configs/arith_tool_grpo.yaml"])
+def test_shipped_configs_are_valid(path):
+    """The GPU recipes fail here only for the engine (no vLLM, no GPU); every other key is valid."""
+    from components.rollout.completions import engine_problems
+
+    cfg = load_config(path, ["engine.type=hf"]) if "gsm8k" in path else load_config(path)
+    assert cfg.algorithm.name == "grpo"
+    if "gsm8k" in path:
+        assert cfg.algorithm.kl_loss_coef == 0.05 and cfg.actor.optimizer.weight_decay == 0.01
+        problems = engine_problems("vllm")
+        try:
+            load_config(path)
+        except ConfigError as exc:
+            assert problems and all(p in str(exc) for p in problems)

@@ -75,5 +75,5 @@ def test_top_k_and_top_p_filters():
 
 
 def test_unknown_engine_type_is_a_config_error():
-    with pytest.raises(ConfigError, match="engine.type=vllm"):
-        make_engine("vllm")
+    with pytest.raises(ConfigError, match="engine.type=mystery: unknown; available: hf, sglang, trtllm, vllm"):
+        make_engine("mystery", "unused", eos_id=1, pad_id=0)

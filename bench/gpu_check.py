@@ -1,0 +1,99 @@
+"""GPU check of one rollout engine on one model (scripts/gpu_check.sh runs it for each installed engine).
+
+Prints one JSON line: rollout tokens/s of the engine and of the hf engine on the same GPU (same prompts and
+sampling settings), the mean absolute difference between the engine's log-probs and the policy's own
+log-probs of the same tokens (fp32 forward), and whether a weight update changed its greedy output.
+
+    python -m bench.gpu_check --engine vllm --model tiny
+    python -m bench.gpu_check --engine sglang --model /models/Qwen2.5-0.5B-Instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def tiny_model_dir() -> str:
+    from components.models import build_char_tokenizer, build_tiny_model, save_pretrained
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, hidden_size=128, num_layers=2, num_heads=4, intermediate_size=512,
+                             max_positions=512, seed=0)
+    return str(save_pretrained(model, tok, tempfile.mkdtemp(prefix="gpu-check-tiny-")))
+
+
+def prompts(tokenizer, count: int) -> list[list[int]]:
+    from components.rl import encode_prompts
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a} + {3 * a + 7}? Answer after ####."}]}
+            for a in range(count)]
+    return encode_prompts(tokenizer, rows)
+
+
+def rollout_rate(engine, ids, params, seed=0) -> tuple[float, object]:
+    engine.generate(ids[:4], params, seed)  # warm-up (graphs, caches)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = engine.generate(ids, params, seed)
+    torch.cuda.synchronize()
+    return float(out.response_mask.sum()) / (time.perf_counter() - start), out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from components.models.loading import load_model, load_tokenizer
+    from components.rollout.base import SamplingParams, make_engine
+    from components.rollout.completions import EngineOptions
+    from components.rollout.hf import left_pad
+    from components.training.logprobs import response_logprobs
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", required=True, choices=["vllm", "sglang", "trtllm"])
+    p.add_argument("--model", default="tiny", help="'tiny' (built here) or a local model directory")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    a = p.parse_args(argv)
+    path = tiny_model_dir() if a.model == "tiny" else a.model
+    dtype = "float32" if a.model == "tiny" else "bfloat16"
+    tok = load_tokenizer(path)
+    ids = prompts(tok, a.prompts)
+    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=a.max_new_tokens)
+    options = EngineOptions(dtype=dtype, gpu_memory_utilization=0.35, max_model_len=1024, enforce_eager=True)
+    result: dict = {"engine": a.engine, "model": a.model, "dtype": dtype}
+
+    hf = make_engine("hf", path, tok.eos_token_id, tok.pad_token_id, EngineOptions(dtype=dtype))
+    result["hf_tokens_per_s"], _ = rollout_rate(hf, ids, params)
+    policy = hf.model.float()  # the fp32 forward the update uses, for the log-prob comparison
+    del hf
+
+    engine = make_engine(a.engine, path, tok.eos_token_id, tok.pad_token_id, options)
+    result["engine_tokens_per_s"], out = rollout_rate(engine, ids, params)
+    result["speedup_vs_hf"] = result["engine_tokens_per_s"] / result["hf_tokens_per_s"]
+
+    prompt_ids, prompt_mask = left_pad([p_ for p_ in ids for _ in range(params.n)], tok.pad_token_id)
+    with torch.no_grad():
+        ours, _ = response_logprobs(policy, prompt_ids.cuda(), prompt_mask.cuda(), out.responses.cuda(),
+                                    out.response_mask.cuda(), temperature=1.0)
+    mask = out.response_mask.bool()
+    result["logprob_mean_abs_diff"] = float((ours.cpu()[mask] - out.logprobs[mask]).abs().mean())
+
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=32)
+    before = engine.generate(ids[:16], greedy, 0).responses
+    gen = torch.Generator().manual_seed(0)
+    noisy = {k: (v + 0.05 * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
+             for k, v in load_model(path, "float32").state_dict().items()}
+    engine.update_weights(noisy, 1)
+    after = engine.generate(ids[:16], greedy, 0).responses
+    result["weight_update_changed_output"] = not torch.equal(before, after)
+    result["weights_version"] = engine.weights_version
+    print(json.dumps(result))
+    return 0 if result["weight_update_changed_output"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""What the GPU engine adapters share: their options, and turning per-sample token ids + log-probs (whatever
+shape the package returns them in) into our RolloutOutput. Pure functions, tested on CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from components.errors import ConfigError
+from components.rollout.base import RolloutOutput
+
+GPU_EXTRA = "pip install 'reinforge[gpu]'"
+# engine.type -> (python module, install command); the hf engine ships with the core install.
+ENGINE_PACKAGES = {
+    "vllm": ("vllm", f"{GPU_EXTRA}  (vllm, needs a CUDA GPU)"),
+    "sglang": ("sglang", f"{GPU_EXTRA}  (sglang, needs a CUDA GPU)"),
+    "trtllm": ("tensorrt_llm", "pip install tensorrt-llm  (needs a CUDA GPU)"),
+}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Settings a GPU engine is built with (from `engine.*` and `actor.model.*`)."""
+
+    dtype: str = "bfloat16"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    max_model_len: int = 4096
+    sleep_during_update: bool = False  # free the KV cache while the policy updates (colocated on one GPU)
+    seed: int = 0
+    enforce_eager: bool = False
+    attention_implementation: str = "sdpa"  # the hf engine's
+
+    @classmethod
+    def from_config(cls, cfg) -> "EngineOptions":
+        e, m = cfg.engine, cfg.actor.model
+        return cls(dtype=m.dtype, tensor_parallel_size=e.tensor_parallel_size,
+                   gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=m.max_seq_len,
+                   sleep_during_update=e.sleep_during_update, seed=cfg.trainer.seed,
+                   attention_implementation=m.attention_implementation)
+
+
+def engine_problems(engine_type: str, cuda_available: bool | None = None) -> list[str]:
+    """Why engine.type cannot run here (package missing, no GPU), each with the fix; empty when it can."""
+    if engine_type not in ENGINE_PACKAGES:
+        return []
+    module, install = ENGINE_PACKAGES[engine_type]
+    problems = []
+    if importlib.util.find_spec(module) is None:
+        problems.append(f"engine.type={engine_type}: package `{module}` is not installed. Install it with "
+                        f"`{install}`, or set engine.type=hf.")
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if not cuda_available:
+        problems.append(f"engine.type={engine_type}: it needs a CUDA GPU and torch sees none "
+                        "(torch.cuda.is_available() is False). Run on a GPU machine, or set engine.type=hf.")
+    return problems
+
+
+def require(engine_type: str):
+    """Import the engine's package, or raise ConfigError with the install command."""
+    problems = engine_problems(engine_type, cuda_available=True)  # the GPU is the package's own business here
+    if problems:
+        raise ConfigError(problems[0])
+    return importlib.import_module(ENGINE_PACKAGES[engine_type][0])
+
+
+def to_rollout_output(samples: list[tuple[list[int], list[float]]], stops: set[int], pad_id: int,
+                      max_new_tokens: int, version: int) -> RolloutOutput:
+    """Per-sample (token ids, log-probs of those tokens) -> padded RolloutOutput. Each sample is cut after its
+    first stop token (EOS or a stop id; engines differ on whether they return it) and to max_new_tokens;
+    response_mask is 1 through the stop token.
+
+    >>> out = to_rollout_output([([5, 6, 2, 9], [-.1, -.2, -.3, -.4]), ([7], [-.5])], {2}, 0, 8, 4)
+    >>> out.responses.tolist(), out.response_mask.tolist(), out.weights_version
+    ([[5, 6, 2], [7, 0, 0]], [[1, 1, 1], [1, 0, 0]], 4)
+    """
+    cut = []
+    for ids, logps in samples:
+        if len(logps) != len(ids):
+            raise ValueError(f"engine returned {len(ids)} tokens but {len(logps)} log-probs for one sample")
+        end = next((k + 1 for k, t in enumerate(ids) if t in stops), len(ids))
+        end = min(end, max_new_tokens)
+        cut.append((list(ids[:end]), [float(x) for x in logps[:end]]))
+    width = max(1, max(len(ids) for ids, _ in cut))
+    responses = torch.full((len(cut), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(cut), width), dtype=torch.long)
+    logprobs = torch.zeros((len(cut), width))
+    for i, (ids, logps) in enumerate(cut):
+        responses[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        mask[i, :len(ids)] = 1
+        logprobs[i, :len(ids)] = torch.tensor(logps)
+    return RolloutOutput(responses, mask, logprobs, version)
+
+
+def logprob_of(entry, token_id: int) -> float:
+    """The sampled token's log-prob from one position's entry: a float, an object with `.logprob`, or a dict
+    keyed by token id (vLLM's {token_id: Logprob})."""
+    if isinstance(entry, dict):
+        entry = entry[token_id]
+    return float(getattr(entry, "logprob", entry))

@@ -1,0 +1,67 @@
+"""The `sglang` engine: SGLang's offline `Engine` on token ids. Its radix cache shares the KV of common
+prefixes (a prompt's n samples, and each multi-turn sample's earlier turns) across requests.
+
+Imported only when engine.type=sglang; `pip install 'reinforge[gpu]'` installs SGLang.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from components.rollout.base import RolloutOutput, SamplingParams, check_newer
+from components.rollout.completions import EngineOptions, logprob_of, require, to_rollout_output
+
+
+def sampling_params(params: SamplingParams) -> dict:
+    """Our SamplingParams as SGLang's dict (top_k -1 = off). Samples are separate requests (prompts repeated n
+    times), so the radix cache serves the shared prompt once.
+
+    >>> sampling_params(SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(7,)))["stop_token_ids"]
+    [7]
+    """
+    return {"temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1, "max_new_tokens": params.max_new_tokens,
+            "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False}
+
+
+def completions(outputs: list[dict]) -> list[tuple[list[int], list[float]]]:
+    """SGLang results (`output_ids`, `meta_info.output_token_logprobs` = [(logprob, token_id, text)]) -> per-sample
+    (ids, log-probs)."""
+    samples = []
+    for out in outputs:
+        ids = list(out["output_ids"])
+        entries = out["meta_info"].get("output_token_logprobs") or []
+        samples.append((ids, [logprob_of(e[0], t) for e, t in zip(entries, ids)]))
+    return samples
+
+
+class SGLangEngine:
+    def __init__(self, path: str, eos_id: int, pad_id: int, options: EngineOptions = EngineOptions()):
+        sglang = require("sglang")
+        self.eos_id, self.pad_id, self.options = eos_id, pad_id, options
+        self.weights_version = 0
+        self.engine = sglang.Engine(model_path=path, dtype=options.dtype, tp_size=options.tensor_parallel_size,
+                                    mem_fraction_static=options.gpu_memory_utilization, random_seed=options.seed,
+                                    context_length=options.max_model_len,
+                                    enable_memory_saver=options.sleep_during_update, skip_tokenizer_init=True)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:
+        # per-request seeds are not part of SGLang's offline API: the engine's random_seed seeds the run
+        repeated = [p for p in prompts for _ in range(params.n)]
+        outs = self.engine.generate(input_ids=repeated, sampling_params=sampling_params(params),
+                                    return_logprob=True)
+        return to_rollout_output(completions(outs), {self.eos_id, *params.stop_token_ids}, self.pad_id,
+                                 params.max_new_tokens, self.weights_version)
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        check_newer(self.weights_version, version)
+        self.engine.update_weights_from_tensor(named_tensors=list(state_dict.items()), flush_cache=True)
+        self.weights_version = version
+
+    def sleep(self) -> None:
+        if self.options.sleep_during_update:
+            self.engine.release_memory_occupation()
+
+    def wake(self) -> None:
+        if self.options.sleep_during_update:
+            self.engine.resume_memory_occupation()

@@ -1,0 +1,79 @@
+"""The `vllm` engine: vLLM's offline `LLM` on token ids, with in-place weight updates and sleep/wake.
+
+Imported only when engine.type=vllm; `pip install 'reinforge[gpu]'` installs vLLM. The engine runs inside the
+rollout worker's Ray actor (one per `engine.num_engines`), with `engine.tensor_parallel_size` GPUs each.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from components.rollout.base import RolloutOutput, SamplingParams, check_newer
+from components.rollout.completions import EngineOptions, logprob_of, require, to_rollout_output
+
+
+def sampling_kwargs(params: SamplingParams, seed: int) -> dict:
+    """Our SamplingParams as vLLM's (top_k -1 = off; logprobs=0 returns the sampled token's log-prob).
+
+    >>> sampling_kwargs(SamplingParams(n=4, temperature=0.7, top_k=0, max_new_tokens=32), 9)["top_k"]
+    -1
+    """
+    return {"n": params.n, "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1, "max_tokens": params.max_new_tokens,
+            "seed": seed, "logprobs": 0, "stop_token_ids": list(params.stop_token_ids),
+            "skip_special_tokens": False, "detokenize": False}
+
+
+def completions(request_outputs) -> list[tuple[list[int], list[float]]]:
+    """vLLM RequestOutputs (one per prompt, `.outputs` = its n CompletionOutputs) -> per-sample (ids, log-probs),
+    row i*n + j = sample j of prompt i."""
+    samples = []
+    for request in request_outputs:
+        for c in request.outputs:
+            ids = list(c.token_ids)
+            samples.append((ids, [logprob_of(e, t) for e, t in zip(c.logprobs or [], ids)]))
+    return samples
+
+
+class VLLMEngine:
+    """vLLM's LLM over the model at `path`. update_weights loads a new state dict into the running model and
+    clears the prefix cache, so no cached KV of old weights is reused."""
+
+    def __init__(self, path: str, eos_id: int, pad_id: int, options: EngineOptions = EngineOptions()):
+        # the engine core in this process: weight updates reach the model without pickling it across processes
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        vllm = require("vllm")
+        self.eos_id, self.pad_id, self.options = eos_id, pad_id, options
+        self.weights_version = 0
+        self.llm = vllm.LLM(model=path, tokenizer=path, dtype=options.dtype, seed=options.seed,
+                            tensor_parallel_size=options.tensor_parallel_size,
+                            gpu_memory_utilization=options.gpu_memory_utilization,
+                            max_model_len=options.max_model_len, enable_sleep_mode=options.sleep_during_update,
+                            enforce_eager=options.enforce_eager, enable_prefix_caching=True)
+        self._vllm = vllm
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:
+        from vllm.inputs import TokensPrompt
+
+        sp = self._vllm.SamplingParams(**sampling_kwargs(params, seed))
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        return to_rollout_output(completions(outs), {self.eos_id, *params.stop_token_ids}, self.pad_id,
+                                 params.max_new_tokens, self.weights_version)
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        check_newer(self.weights_version, version)
+        weights = [(k, v) for k, v in state_dict.items()]
+        self.llm.apply_model(lambda model: model.load_weights(weights=weights))
+        self.llm.reset_prefix_cache()
+        self.weights_version = version
+
+    def sleep(self) -> None:
+        """Free the KV cache (and offload the weights) while the policy trains on the same GPU."""
+        if self.options.sleep_during_update:
+            self.llm.sleep(level=1)
+
+    def wake(self) -> None:
+        if self.options.sleep_during_update:
+            self.llm.wake_up()

@@ -1,0 +1,188 @@
+"""The GPU engine adapters' own logic on CPU (sampling-parameter mapping, outputs to our rollout batch,
+version checks, missing-package errors), and the data-parallel engine pool's health checks and restarts
+with real hf engines on Ray.
+
+vLLM, SGLang and TensorRT-LLM do not install without a CUDA GPU, so their outputs are built here as the
+packages document them (RequestOutput / CompletionOutput / Logprob attributes, SGLang's result dicts);
+scripts/gpu_check.sh runs the adapters for real on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from components.config import load_config
+from components.errors import ConfigError
+from components.rollout import sglang_engine, trtllm_engine, vllm_engine
+from components.rollout.base import SamplingParams, check_newer, make_engine
+from components.rollout.completions import engine_problems, to_rollout_output
+from components.rollout.pool import split_by_load
+
+GPU_ENGINES = ["vllm", "sglang", "trtllm"]
+
+
+@pytest.mark.parametrize("engine", GPU_ENGINES)
+def test_config_validation_names_the_install_command_and_the_gpu(engine):
+    problems = engine_problems(engine, cuda_available=False)
+    module = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}[engine]
+    if importlib.util.find_spec(module) is None:
+        assert f"package `{module}` is not installed" in problems[0] and "pip install" in problems[0]
+    assert any("needs a CUDA GPU" in p and "torch.cuda.is_available() is False" in p for p in problems)
+    with pytest.raises(ConfigError, match=f"engine.type={engine}"):
+        load_config(None, [f"engine.type={engine}", "trainer.rollout_placement=separate"])
+
+
+@pytest.mark.parametrize("engine", GPU_ENGINES)
+def test_make_engine_without_the_package_says_what_to_install(engine, tmp_path):
+    module = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}[engine]
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed here")
+    with pytest.raises(ConfigError, match=r"not installed\. Install it with `pip install"):
+        make_engine(engine, str(tmp_path), eos_id=1, pad_id=0)
+
+
+def test_colocating_a_gpu_engine_is_refused():
+    with pytest.raises(ConfigError, match="rollout_placement=colocate samples with the policy's own module"):
+        load_config(None, ["engine.num_engines=2", "trainer.rollout_placement=colocate"])
+
+
+def test_sampling_parameters_map_to_each_package():
+    p = SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=32, stop_token_ids=(7,))
+    assert vllm_engine.sampling_kwargs(p, 11) == {
+        "n": 4, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_tokens": 32, "seed": 11, "logprobs": 0,
+        "stop_token_ids": [7], "skip_special_tokens": False, "detokenize": False}
+    assert sglang_engine.sampling_params(p) == {
+        "temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_new_tokens": 32, "stop_token_ids": [7],
+        "skip_special_tokens": False}
+    assert trtllm_engine.sampling_kwargs(p, 11) == {
+        "n": 4, "temperature": 0.7, "top_p": 0.9, "top_k": None, "max_tokens": 32, "seed": 11, "logprobs": 0,
+        "stop_token_ids": [7]}
+    assert vllm_engine.sampling_kwargs(SamplingParams(top_k=5), 0)["top_k"] == 5
+
+
+EOS, PAD = 2, 0
+EXPECTED_IDS = [[5, 6, EOS], [7, 8, 9], [4, EOS, 0]]
+EXPECTED_MASK = [[1, 1, 1], [1, 1, 1], [1, 1, 0]]
+
+
+def _check(out, version=7):
+    assert out.responses.tolist() == EXPECTED_IDS and out.response_mask.tolist() == EXPECTED_MASK
+    torch.testing.assert_close(out.logprobs, torch.tensor([[-.1, -.2, -.3], [-.4, -.5, -.6], [-.7, -.8, 0.]]))
+    assert out.weights_version == version
+
+
+def test_vllm_outputs_become_a_rollout_output():
+    lp = lambda ids, vals: [{t: SimpleNamespace(logprob=v, rank=1)} for t, v in zip(ids, vals)]  # noqa: E731
+    outs = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=(5, 6, EOS), logprobs=lp((5, 6, EOS), (-.1, -.2, -.3))),
+                                     SimpleNamespace(token_ids=(7, 8, 9, 3), logprobs=lp((7, 8, 9, 3), (-.4, -.5, -.6, -1)))]),
+            SimpleNamespace(outputs=[SimpleNamespace(token_ids=(4, EOS), logprobs=lp((4, EOS), (-.7, -.8)))])]
+    _check(to_rollout_output(vllm_engine.completions(outs), {EOS}, PAD, 3, 7))  # the 4th token: past max_new_tokens
+
+
+def test_sglang_outputs_become_a_rollout_output():
+    res = lambda ids, vals: {"output_ids": list(ids), "meta_info": {  # noqa: E731
+        "output_token_logprobs": [(v, t, None) for t, v in zip(ids, vals)], "finish_reason": {"type": "stop"}}}
+    outs = [res((5, 6, EOS), (-.1, -.2, -.3)), res((7, 8, 9), (-.4, -.5, -.6)), res((4, EOS, 11), (-.7, -.8, -.9))]
+    _check(to_rollout_output(sglang_engine.completions(outs), {EOS}, PAD, 8, 7))  # tokens after EOS dropped
+
+
+def test_trtllm_outputs_become_a_rollout_output():
+    c = lambda ids, vals: SimpleNamespace(token_ids=list(ids), logprobs=list(vals))  # noqa: E731
+    outs = [SimpleNamespace(outputs=[c((5, 6, EOS), (-.1, -.2, -.3)), c((7, 8, 9), (-.4, -.5, -.6))]),
+            SimpleNamespace(outputs=[c((4, EOS), (-.7, -.8))])]
+    _check(to_rollout_output(trtllm_engine.completions(outs), {EOS}, PAD, 8, 7))
+
+
+def test_mismatched_logprobs_are_an_error():
+    with pytest.raises(ValueError, match="2 tokens but 1 log-probs"):
+        to_rollout_output([([5, 6], [-.1])], {EOS}, PAD, 8, 0)
+
+
+def test_engine_weights_only_move_forward(tiny_model_dir, tokenizer):
+    check_newer(2, 2)
+    engine = make_engine("hf", str(tiny_model_dir), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    engine.update_weights(state, 3)
+    with pytest.raises(ValueError, match="older than the engine's 3"):
+        engine.update_weights(state, 2)
+
+
+def test_split_by_load_covers_every_row_once():
+    for lengths in ([3] * 10, [1, 50, 2, 2, 2, 40, 1], list(range(1, 30))):
+        for parts in (1, 2, 3, 4):
+            shares = split_by_load(lengths, parts)
+            covered = [i for s in shares for i in range(s.start, s.stop)]
+            assert covered == list(range(len(lengths))) and all(s.stop > s.start for s in shares)
+            loads = [sum(lengths[s]) for s in shares]
+            assert max(loads) - min(loads) <= 2 * max(lengths)
+
+
+# --- the pool: real hf engines in Ray actors ---
+
+ROWS = [{"prompt": [{"role": "user", "content": f"{a}+{a}="}], "reward_model": {"ground_truth": str(2 * a)},
+         "data_source": "arith", "extra_info": {}} for a in range(12)]
+
+
+@pytest.fixture
+def pool(tiny_model_dir, ray_local):
+    import ray
+
+    from components.rollout.completions import EngineOptions
+    from components.rollout.pool import EnginePool
+    from components.rollout.worker import RolloutWorker
+
+    class Slow(RolloutWorker):
+        def generate(self, *a, **kw):
+            time.sleep(1.0)  # room to kill it mid-rollout
+            return super().generate(*a, **kw)
+
+    def start():
+        return ray.remote(num_cpus=0, max_restarts=2)(Slow).remote(
+            str(tiny_model_dir), "hf", EngineOptions(dtype="float32"), 1)
+
+    synced = []
+    p = EnginePool([start(), start()], start, lambda actor: synced.append(ray.get(actor.pid.remote())),
+                   health_timeout_s=30)
+    yield p, synced
+    for actor in p.actors:
+        ray.kill(actor, no_restart=True)
+
+
+def _pid(actor) -> int:
+    import ray
+
+    return ray.get(actor.pid.remote())
+
+
+def test_health_check_restarts_a_dead_engine_and_resyncs_it(pool):
+    p, synced = pool
+    p.health_check()
+    assert p.restarts == 0 and synced == []
+    old = _pid(p.actors[1])
+    os.kill(old, signal.SIGKILL)
+    time.sleep(0.5)
+    p.health_check()
+    new = _pid(p.actors[1])
+    assert p.restarts == 1 and new != old and synced == [new]
+
+
+def test_an_engine_killed_mid_rollout_is_restarted_and_its_rows_retried(pool):
+    import threading
+
+    p, synced = pool
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=48)
+    victim = _pid(p.actors[0])
+    killer = threading.Timer(0.4, os.kill, (victim, signal.SIGKILL))
+    killer.start()
+    batch = p.generate(ROWS, [1] * len(ROWS), (params, 1), seeds=[0, 1], timeout_s=120)
+    killer.join()
+    assert p.restarts == 1 and synced == [_pid(p.actors[0])]
+    assert len(batch) == len(ROWS) * 4 and batch.tensors["group_ids"].unique().numel() == len(ROWS)
+    assert batch.non_tensors["ground_truth"][::4] == [r["reward_model"]["ground_truth"] for r in ROWS]
