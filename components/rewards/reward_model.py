@@ -57,16 +57,27 @@ class RewardModelScorer:
         return out
 
 
-def arith_preference_pairs(rows: list[dict], tokenizer, seed: int) -> list[tuple[str, str, str]]:
-    """(prompt text, chosen, rejected) per row: the right answer against a near miss or a malformed one."""
+def wrong_answers(truth: int, rng: random.Random) -> list[str]:
+    """Kinds of wrong response a policy produces: a near miss, a far miss, swapped or dropped digits, an extra
+    digit, a missing `####`."""
+    near = truth + rng.choice([d for d in range(-10, 11) if d])
+    far = rng.choice([v for v in (rng.randint(0, 2 * truth + 20) for _ in range(4)) if v != truth] or [truth + 11])
+    digits = str(abs(truth))
+    swapped = int(digits[::-1]) if len(digits) > 1 and digits != digits[::-1] else truth + 1
+    dropped = int(digits[:-1]) if len(digits) > 1 else truth + 2
+    return [f"#### {near}", f"#### {far}", f"#### {swapped}", f"#### {dropped}", f"#### {truth}{rng.randint(0, 9)}",
+            f"{truth}"]
+
+
+def arith_preference_pairs(rows: list[dict], tokenizer, seed: int, per_row: int = 2) -> list[tuple[str, str, str]]:
+    """(prompt text, chosen, rejected): the right answer against `per_row` wrong ones of different kinds."""
     rng = random.Random(seed)
     pairs = []
     for row in rows:
         prompt = tokenizer.apply_chat_template(list(row["prompt"]), add_generation_prompt=True, tokenize=False)
         truth = int(row["reward_model"]["ground_truth"])
-        wrong = truth + rng.choice([d for d in range(-10, 11) if d])
-        rejected = rng.choice([f"#### {wrong}", f"#### {wrong}", f"{truth}", f"#### {truth}{rng.randint(0, 9)}"])
-        pairs.append((prompt, f"#### {truth}", rejected))
+        for rejected in rng.sample(wrong_answers(truth, rng), per_row):
+            pairs.append((prompt, f"#### {truth}", rejected))
     return pairs
 
 

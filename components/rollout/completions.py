@@ -95,6 +95,17 @@ def to_rollout_output(samples: list[tuple[list[int], list[float]]], stops: set[i
     return RolloutOutput(responses, mask, logprobs, version)
 
 
+def request_completions(request_outputs) -> list[tuple[list[int], list[float]]]:
+    """RequestOutputs as vLLM and TensorRT-LLM both return them (one per prompt; `.outputs` = its n completions,
+    each with `.token_ids` and `.logprobs`) -> per-sample (ids, log-probs), row i*n + j = sample j of prompt i."""
+    samples = []
+    for request in request_outputs:
+        for c in request.outputs:
+            ids = list(c.token_ids)
+            samples.append((ids, [logprob_of(e, t) for e, t in zip(c.logprobs or [], ids)]))
+    return samples
+
+
 def logprob_of(entry, token_id: int) -> float:
     """The sampled token's log-prob from one position's entry: a float, an object with `.logprob`, or a dict
     keyed by token id (vLLM's {token_id: Logprob})."""

@@ -26,7 +26,7 @@ def split_by_load(lengths: list[int], parts: int) -> list[slice]:
     >>> split_by_load([10, 10, 1, 1, 1, 1], 2)
     [slice(0, 1, None), slice(1, 6, None)]
     >>> split_by_load([5] * 4, 3)
-    [slice(0, 2, None), slice(2, 3, None), slice(3, 4, None)]
+    [slice(0, 1, None), slice(1, 3, None), slice(3, 4, None)]
     """
     parts = max(1, min(parts, len(lengths)))
     total, bounds, acc, start = sum(lengths), [], 0, 0

@@ -12,16 +12,26 @@ from components.rollout.base import RolloutOutput, SamplingParams, check_newer
 from components.rollout.completions import EngineOptions, logprob_of, require, to_rollout_output
 
 
-def sampling_params(params: SamplingParams) -> dict:
-    """Our SamplingParams as SGLang's dict (top_k -1 = off). Samples are separate requests (prompts repeated n
-    times), so the radix cache serves the shared prompt once.
+def sampling_params(params: SamplingParams, seed: int | None = None) -> dict:
+    """Our SamplingParams as SGLang's dict (top_k -1 = off), for one request seeded with `seed`.
 
     >>> sampling_params(SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(7,)))["stop_token_ids"]
     [7]
     """
-    return {"temperature": params.temperature, "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else -1, "max_new_tokens": params.max_new_tokens,
-            "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False}
+    out = {"temperature": params.temperature, "top_p": params.top_p,
+           "top_k": params.top_k if params.top_k > 0 else -1, "max_new_tokens": params.max_new_tokens,
+           "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False}
+    return out if seed is None else {**out, "sampling_seed": seed}
+
+
+def request_params(params: SamplingParams, seed: int, prompts: int) -> list[dict]:
+    """One dict per request: samples are separate requests (each prompt repeated n times, so the radix cache
+    serves the shared prompt once), each with its own seed derived from `seed`.
+
+    >>> [p["sampling_seed"] for p in request_params(SamplingParams(n=2), 10, 2)]
+    [10, 11, 12, 13]
+    """
+    return [sampling_params(params, (seed + i) % 2**31) for i in range(prompts * params.n)]
 
 
 def completions(outputs: list[dict]) -> list[tuple[list[int], list[float]]]:
@@ -46,9 +56,8 @@ class SGLangEngine:
                                     enable_memory_saver=options.sleep_during_update, skip_tokenizer_init=True)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:
-        # per-request seeds are not part of SGLang's offline API: the engine's random_seed seeds the run
         repeated = [p for p in prompts for _ in range(params.n)]
-        outs = self.engine.generate(input_ids=repeated, sampling_params=sampling_params(params),
+        outs = self.engine.generate(input_ids=repeated, sampling_params=request_params(params, seed, len(prompts)),
                                     return_logprob=True)
         return to_rollout_output(completions(outs), {self.eos_id, *params.stop_token_ids}, self.pad_id,
                                  params.max_new_tokens, self.weights_version)

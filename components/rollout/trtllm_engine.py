@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from components.rollout.base import RolloutOutput, SamplingParams, check_newer
-from components.rollout.completions import EngineOptions, logprob_of, require, to_rollout_output
+from components.rollout.completions import EngineOptions, request_completions, require, to_rollout_output
 
 
 def sampling_kwargs(params: SamplingParams, seed: int) -> dict:
@@ -28,14 +28,7 @@ def sampling_kwargs(params: SamplingParams, seed: int) -> dict:
             "seed": seed, "logprobs": 0, "stop_token_ids": list(params.stop_token_ids) or None}
 
 
-def completions(request_outputs) -> list[tuple[list[int], list[float]]]:
-    """TensorRT-LLM RequestOutputs (`.outputs[j].token_ids`, `.logprobs`) -> per-sample (ids, log-probs)."""
-    samples = []
-    for request in request_outputs:
-        for c in request.outputs:
-            ids = list(c.token_ids)
-            samples.append((ids, [logprob_of(e, t) for e, t in zip(c.logprobs or [], ids)]))
-    return samples
+completions = request_completions  # TensorRT-LLM's RequestOutput: `.outputs[j].token_ids`, `.logprobs` (floats)
 
 
 class TRTLLMEngine:

@@ -11,7 +11,7 @@ import os
 import torch
 
 from components.rollout.base import RolloutOutput, SamplingParams, check_newer
-from components.rollout.completions import EngineOptions, logprob_of, require, to_rollout_output
+from components.rollout.completions import EngineOptions, request_completions, require, to_rollout_output
 
 
 def sampling_kwargs(params: SamplingParams, seed: int) -> dict:
@@ -26,15 +26,7 @@ def sampling_kwargs(params: SamplingParams, seed: int) -> dict:
             "skip_special_tokens": False, "detokenize": False}
 
 
-def completions(request_outputs) -> list[tuple[list[int], list[float]]]:
-    """vLLM RequestOutputs (one per prompt, `.outputs` = its n CompletionOutputs) -> per-sample (ids, log-probs),
-    row i*n + j = sample j of prompt i."""
-    samples = []
-    for request in request_outputs:
-        for c in request.outputs:
-            ids = list(c.token_ids)
-            samples.append((ids, [logprob_of(e, t) for e, t in zip(c.logprobs or [], ids)]))
-    return samples
+completions = request_completions  # vLLM's RequestOutput: `.outputs[j].logprobs` = [{token_id: Logprob}]
 
 
 class VLLMEngine:
@@ -51,7 +43,9 @@ class VLLMEngine:
                             tensor_parallel_size=options.tensor_parallel_size,
                             gpu_memory_utilization=options.gpu_memory_utilization,
                             max_model_len=options.max_model_len, enable_sleep_mode=options.sleep_during_update,
-                            enforce_eager=options.enforce_eager, enable_prefix_caching=True)
+                            enforce_eager=options.enforce_eager, enable_prefix_caching=True,
+                            # log-probs after temperature (and top-k / top-p), as our engines return them
+                            logprobs_mode="processed_logprobs")
         self._vllm = vllm
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:

@@ -15,13 +15,14 @@ def rows(n: int) -> list[dict]:
 
 
 def test_pairs_put_the_right_answer_first(tiny_model_dir):
-    pairs = arith_preference_pairs(rows(20), load_tokenizer(tiny_model_dir), seed=0)
-    assert pairs[3][0] == "3+4=" and pairs[3][1] == "#### 7"
+    pairs = arith_preference_pairs(rows(20), load_tokenizer(tiny_model_dir), seed=0, per_row=2)
+    assert len(pairs) == 40 and pairs[6][0] == "3+4=" and pairs[6][1] == pairs[7][1] == "#### 7"
     assert all(chosen != rejected for _, chosen, rejected in pairs)
+    assert len({rejected for _, _, rejected in pairs[6:8]}) == 2  # two different kinds of wrong answer
 
 
 def test_training_separates_chosen_from_rejected(tiny_model_dir, tmp_path):
-    pairs = arith_preference_pairs(rows(40), load_tokenizer(tiny_model_dir), seed=0)
+    pairs = arith_preference_pairs(rows(40), load_tokenizer(tiny_model_dir), seed=0, per_row=1)
     out = train_reward_model(str(tiny_model_dir), pairs, tmp_path / "rm", steps=40, batch_size=32, lr=3e-3, seed=0)
     assert out["pair_accuracy"] > 0.75 and out["loss"] < 0.6
     scorer = RewardModelScorer(str(tmp_path / "rm"), batch_size=7)  # several batches, ragged last one

@@ -67,6 +67,17 @@ def test_sampling_parameters_map_to_each_package():
     assert vllm_engine.sampling_kwargs(SamplingParams(top_k=5), 0)["top_k"] == 5
 
 
+def test_the_mapping_is_accepted_by_the_real_packages_where_they_import():
+    """Run where vLLM / SGLang import (a GPU machine with the gpu extra): their own classes validate ours."""
+    vllm_sp = pytest.importorskip("vllm.sampling_params")
+    p = SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=32, stop_token_ids=(7,))
+    sp = vllm_sp.SamplingParams(**vllm_engine.sampling_kwargs(p, 11))
+    assert (sp.n, sp.max_tokens, sp.logprobs, sp.seed, sp.stop_token_ids) == (4, 32, 0, 11, [7])
+    sglang_sp = pytest.importorskip("sglang.srt.sampling.sampling_params")
+    for d in sglang_engine.request_params(p, 3, 2):
+        sglang_sp.SamplingParams(**d).verify(vocab_size=100)
+
+
 EOS, PAD = 2, 0
 EXPECTED_IDS = [[5, 6, EOS], [7, 8, 9], [4, EOS, 0]]
 EXPECTED_MASK = [[1, 1, 1], [1, 1, 1], [1, 1, 0]]
