@@ -172,7 +172,11 @@ def _pid(actor) -> int:
     return ray.get(actor.pid.remote())
 
 
-def test_health_check_restarts_a_dead_engine_and_resyncs_it(pool):
+def test_dead_engines_are_restarted_resynced_and_their_rows_retried(pool):
+    """One engine SIGKILLed between rollouts: the health check restarts and re-syncs it. One SIGKILLed
+    mid-rollout: it is restarted and its share of the rows retried; the batch comes back whole, in row order."""
+    import threading
+
     p, synced = pool
     p.health_check()
     assert p.restarts == 0 and synced == []
@@ -183,17 +187,12 @@ def test_health_check_restarts_a_dead_engine_and_resyncs_it(pool):
     new = _pid(p.actors[1])
     assert p.restarts == 1 and new != old and synced == [new]
 
-
-def test_an_engine_killed_mid_rollout_is_restarted_and_its_rows_retried(pool):
-    import threading
-
-    p, synced = pool
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=48)
     victim = _pid(p.actors[0])
     killer = threading.Timer(0.4, os.kill, (victim, signal.SIGKILL))
     killer.start()
     batch = p.generate(ROWS, [1] * len(ROWS), (params, 1), seeds=[0, 1], timeout_s=120)
     killer.join()
-    assert p.restarts == 1 and synced == [_pid(p.actors[0])]
+    assert p.restarts == 2 and synced == [new, _pid(p.actors[0])]
     assert len(batch) == len(ROWS) * 4 and batch.tensors["group_ids"].unique().numel() == len(ROWS)
     assert batch.non_tensors["ground_truth"][::4] == [r["reward_model"]["ground_truth"] for r in ROWS]
