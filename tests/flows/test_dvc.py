@@ -36,7 +36,7 @@ def set_keys(cfg: dict, overrides: list[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory):
+def repo(tmp_path_factory, prefect_api):
     repo = tmp_path_factory.mktemp("dvc_repo")
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
     for f in files + [".dvc/config", ".dvc/.gitignore", ".dvcignore", "dvc.yaml"]:
@@ -50,7 +50,7 @@ def repo(tmp_path_factory):
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "MLFLOW_TRACKING_URI": f"sqlite:///{repo}/m.db",
            "PYTHONPATH": str(repo)}
-    env.pop("PREFECT_API_URL", None)
+    env["PREFECT_API_URL"] = prefect_api  # the stages report to one server instead of starting one each
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
                 ["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init"]):
         sh(cmd, repo, env)

@@ -196,10 +196,10 @@ def test_two_engines_with_health_checks_survive_one_killed(start):
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
     info = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={out}", "trainer.rollout_placement=separate",
-                                                        "engine.num_engines=2", "engine.health_check=true"])
+                                                        "engine.num_engines=2", "engine.health_check=true",
+                                                        "trainer.iterations=3"])
     thread.join(30)
     client = MlflowClient(f"sqlite:///{root}/mlruns.db")
     restarts = client.get_metric_history(info["run_id"], "rollout/engine_restarts")
-    assert killed and sorted(m.step for m in restarts) == list(range(1, ITERATIONS + 1))
-    assert sum(m.value for m in restarts) >= 1
-    assert info["iterations"] == ITERATIONS
+    assert killed and sorted(m.step for m in restarts) == [1, 2, 3]
+    assert sum(m.value for m in restarts) >= 1 and info["iterations"] == 3

@@ -18,10 +18,10 @@ from tests.flows.conftest import small_overrides
 pytestmark = pytest.mark.slow
 
 
-def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path):
+def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect_api):
     ov = small_overrides(tmp_path, iterations=6) + ["trainer.save_interval=1"]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db", "PYTHONUNBUFFERED": "1"}
-    env.pop("PREFECT_API_URL", None)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db", "PYTHONUNBUFFERED": "1",
+           "PREFECT_API_URL": prefect_api}
     cmd = [sys.executable, "-m", "flows.nightly", "--config", "configs/arith_grpo.yaml", *ov]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True) for _ in range(2)]

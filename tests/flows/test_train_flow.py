@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from components.models.loading import load_model
 from components.tracking import checkpoints
-from tests.flows.conftest import sft_ready
+from tests.flows.conftest import sft_ready, small_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -73,3 +73,24 @@ def test_eval_json_has_both_accuracies(pipeline_run):
     data = json.loads((root / "metrics" / "eval.json").read_text())
     assert 0 <= data["sft"]["acc"] <= 1 and 0 <= data["final"]["acc"] <= 1
     assert data["iterations"] == ITERATIONS and data == json.loads(json.dumps(results))
+
+
+def test_grpo_trains_with_the_tiny_reward_model(pipeline_run):
+    """The reward-model path end to end on this run's data and SFT model: train a tiny reward model, then GRPO
+    with it mixed into the rule reward, its actor scoring on Ray, all in MLflow."""
+    from flows.reward_model import reward_model_flow
+    from flows.train import train_flow
+
+    root, _, _ = pipeline_run
+    ov = small_overrides(root, 3) + [f"trainer.output_dir={root}/grpo_rm"]
+    fit = reward_model_flow("configs/arith_grpo.yaml", ov, str(root / "rm"), steps=20, batch_size=32, lr=1e-3)
+    assert 0.0 <= fit["heldout_pair_accuracy"] <= 1.0
+    info = train_flow("configs/arith_grpo.yaml", ov + [f"reward_model.path={root}/rm", "reward_model.rule_weight=0.5",
+                                                       "reward_model.model_weight=0.5"])
+    client = MlflowClient(f"sqlite:///{root}/mlruns.db")
+    history = lambda key: client.get_metric_history(info["run_id"], key)  # noqa: E731
+    model, rule = (history(f"reward/{k}/mean") for k in ("model_score", "rule_score"))
+    score = history("critic/score/mean")
+    assert [m.step for m in model] == [1, 2, 3] and len(rule) == 3
+    for m, r, s in zip(model, rule, score):  # critic/score is the weighted mix
+        assert s.value == pytest.approx(0.5 * m.value + 0.5 * r.value, abs=1e-5)
