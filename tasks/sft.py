@@ -32,7 +32,7 @@ def run_sft(cfg: Config) -> str:
     if s.base_model:
         tok, model = load_tokenizer(s.base_model, "sft.base_model"), load_model(s.base_model, key="sft.base_model")
     else:
-        tok = build_char_tokenizer()
+        tok = build_char_tokenizer(tool_tokens=cfg.multi_turn.enable or cfg.data.task == "arith_tool")
         model = build_tiny_model(tok, hidden_size=s.hidden_size, num_layers=s.num_layers, num_heads=s.num_heads,
                                  intermediate_size=s.intermediate_size, max_positions=cfg.actor.model.max_seq_len,
                                  seed=cfg.trainer.seed)

@@ -21,16 +21,18 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'tool' %}<tool_respo
                  "</tool_response>{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per printable ASCII character (newline included), plus the tool-call markers; decode joins
-    them back."""
+def build_char_tokenizer(tool_tokens: bool = False) -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character (newline included); decode joins them back. tool_tokens adds
+    the tool-call markers as one token each (multi-turn runs; without them the vocabulary, and so the seeded
+    model, is the default pipeline's)."""
     chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
     vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *chars])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
-    fast.add_tokens(TOOL_TOKENS)
+    if tool_tokens:
+        fast.add_tokens(TOOL_TOKENS)
     fast.chat_template = CHAT_TEMPLATE
     fast.padding_side = "left"
     return fast

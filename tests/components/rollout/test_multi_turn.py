@@ -13,6 +13,14 @@ from components.training.logprobs import batch_logprobs, response_logprobs
 from components.training.sft import collate, encode_examples
 
 
+@pytest.fixture
+def tokenizer():
+    """The character tokenizer with the tool-call markers as single tokens (as multi-turn runs build it)."""
+    from components.models import build_char_tokenizer
+
+    return build_char_tokenizer(tool_tokens=True)
+
+
 def test_parse_tool_call():
     call = tool_call_text("calculator", {"expression": "12*34"})
     assert call == '<tool_call>{"name":"calculator","arguments":{"expression":"12*34"}}</tool_call>'
