@@ -65,21 +65,17 @@ def bwrap_path() -> str:
 
 def _ro_binds() -> list[str]:
     """Read-only mounts: the system libraries and the prefix of the interpreter that runs the code."""
-    paths = ["/usr", "/lib", "/lib64", "/bin", sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))]
-    args, seen, made = [], set(), set()
-    for path in paths:  # parents (/root for a pyenv interpreter) are made traversable, empty, in the sandbox
+    paths = list(dict.fromkeys(["/usr", "/lib", "/lib64", "/bin", sys.base_prefix,
+                                os.path.dirname(_interpreter())]))
+    parents: list[str] = []  # e.g. /root for a pyenv interpreter: made traversable (and empty) in the sandbox
+    for path in paths:
         parent = os.path.dirname(path)
-        chain = []
-        while parent not in ("/", "") and parent not in made and not any(parent == p or
-                                                                       parent.startswith(p + "/") for p in seen):
-            chain.append(parent)
+        while parent not in ("/", "") and parent not in parents:
+            parents.insert(0, parent)
             parent = os.path.dirname(parent)
-        for d in reversed(chain):
-            made.add(d)
-            args += ["--perms", "0755", "--dir", d]
+    args = [a for d in sorted(parents, key=len) for a in ("--perms", "0755", "--dir", d)]
     for path in paths:  # a symlink such as /lib64 -> usr/lib64 is mounted at its own path (the loader's)
-        if os.path.exists(path) and path not in seen:
-            seen.add(path)
+        if os.path.exists(path):
             args += ["--ro-bind", os.path.realpath(path), path]
     return args
 
