@@ -2,7 +2,8 @@
 
 Prints one JSON line: rollout tokens/s of the engine and of the hf engine on the same GPU (same prompts and
 sampling settings), the mean absolute difference between the engine's log-probs and the policy's own
-log-probs of the same tokens (fp32 forward), and whether a weight update changed its greedy output.
+log-probs of the same tokens (fp32 forward), before and after a weight update, and whether the update changed
+its seeded samples.
 
     python -m bench.gpu_check --engine vllm --model tiny
     python -m bench.gpu_check --engine sglang --model /models/Qwen2.5-0.5B-Instruct
@@ -36,17 +37,22 @@ def prompts(tokenizer, count: int) -> list[list[int]]:
     return encode_prompts(tokenizer, rows)
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def rollout_rate(engine, ids, params, seed=0) -> tuple[float, object]:
     engine.generate(ids[:4], params, seed)  # warm-up (graphs, caches)
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     out = engine.generate(ids, params, seed)
-    torch.cuda.synchronize()
+    sync()
     return float(out.response_mask.sum()) / (time.perf_counter() - start), out
 
 
 def main(argv: list[str] | None = None) -> int:
-    from components.models.loading import load_model, load_tokenizer
+    from components.models.loading import load_tokenizer
     from components.rollout.base import SamplingParams, make_engine
     from components.rollout.completions import EngineOptions
     from components.rollout.hf import left_pad
@@ -75,24 +81,34 @@ def main(argv: list[str] | None = None) -> int:
     result["engine_tokens_per_s"], out = rollout_rate(engine, ids, params)
     result["speedup_vs_hf"] = result["engine_tokens_per_s"] / result["hf_tokens_per_s"]
 
-    prompt_ids, prompt_mask = left_pad([p_ for p_ in ids for _ in range(params.n)], tok.pad_token_id)
-    with torch.no_grad():
-        ours, _ = response_logprobs(policy, prompt_ids.cuda(), prompt_mask.cuda(), out.responses.cuda(),
-                                    out.response_mask.cuda(), temperature=1.0)
-    mask = out.response_mask.bool()
-    result["logprob_mean_abs_diff"] = float((ours.cpu()[mask] - out.logprobs[mask]).abs().mean())
+    def logprob_gap(out) -> float:
+        """Mean |engine log-prob - the policy's fp32 forward log-prob| over the sampled tokens."""
+        prompt_ids, prompt_mask = left_pad([p_ for p_ in ids for _ in range(params.n)], tok.pad_token_id)
+        device = next(policy.parameters()).device
+        with torch.no_grad():
+            ours, _ = response_logprobs(policy, prompt_ids.to(device), prompt_mask.to(device),
+                                        out.responses.to(device), out.response_mask.to(device), temperature=1.0)
+        mask = out.response_mask.bool()
+        return float((ours.cpu()[mask] - out.logprobs[mask]).abs().mean())
 
-    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=32)
-    before = engine.generate(ids[:16], greedy, 0).responses
+    result["logprob_mean_abs_diff"] = logprob_gap(out)
+
+    # a weight update: the engine's seeded samples change, and its log-probs follow the new weights
+    seeded = SamplingParams(n=1, temperature=1.0, max_new_tokens=32)
+    before = engine.generate(ids[:16], seeded, 0).responses
+    result["same_seed_same_output"] = torch.equal(before, engine.generate(ids[:16], seeded, 0).responses)
     gen = torch.Generator().manual_seed(0)
-    noisy = {k: (v + 0.05 * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
-             for k, v in load_model(path, "float32").state_dict().items()}
+    noisy = {k: (v + 0.3 * v.float().std() * torch.randn(v.shape, generator=gen).to(v.device)).to(v.dtype)
+             for k, v in policy.state_dict().items()}
     engine.update_weights(noisy, 1)
-    after = engine.generate(ids[:16], greedy, 0).responses
+    after = engine.generate(ids[:16], seeded, 0).responses
     result["weight_update_changed_output"] = not torch.equal(before, after)
+    policy.load_state_dict(noisy)
+    result["logprob_mean_abs_diff_after_update"] = logprob_gap(engine.generate(ids, params, 1))
     result["weights_version"] = engine.weights_version
     print(json.dumps(result))
-    return 0 if result["weight_update_changed_output"] else 1
+    ok = result["weight_update_changed_output"] and result["logprob_mean_abs_diff_after_update"] < 0.1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

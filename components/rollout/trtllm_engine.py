@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from components.rollout.base import RolloutOutput, SamplingParams, check_newer
-from components.rollout.completions import EngineOptions, request_completions, require, to_rollout_output
+from components.rollout.completions import (EngineOptions, context_length, request_completions, require,
+                                           to_rollout_output)
 
 
 def sampling_kwargs(params: SamplingParams, seed: int) -> dict:
@@ -42,7 +43,8 @@ class TRTLLMEngine:
     def _build(self, path: str):
         kv = self.trt.llmapi.KvCacheConfig(free_gpu_memory_fraction=self.options.gpu_memory_utilization)
         return self.trt.LLM(model=path, tensor_parallel_size=self.options.tensor_parallel_size,
-                            dtype=self.options.dtype, kv_cache_config=kv, max_seq_len=self.options.max_model_len)
+                            dtype=self.options.dtype, kv_cache_config=kv,
+                            max_seq_len=context_length(path, self.options.max_model_len))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:
         sp = self.trt.SamplingParams(**sampling_kwargs(params, seed))

@@ -11,7 +11,8 @@ import os
 import torch
 
 from components.rollout.base import RolloutOutput, SamplingParams, check_newer
-from components.rollout.completions import EngineOptions, request_completions, require, to_rollout_output
+from components.rollout.completions import (EngineOptions, context_length, request_completions, require,
+                                           to_rollout_output)
 
 
 def sampling_kwargs(params: SamplingParams, seed: int) -> dict:
@@ -30,8 +31,8 @@ completions = request_completions  # vLLM's RequestOutput: `.outputs[j].logprobs
 
 
 class VLLMEngine:
-    """vLLM's LLM over the model at `path`. update_weights loads a new state dict into the running model and
-    clears the prefix cache, so no cached KV of old weights is reused."""
+    """vLLM's LLM over the model at `path`. update_weights reloads a new state dict into the running model
+    (the workers' `reload_weights`) and clears the prefix cache, so no cached KV of old weights is reused."""
 
     def __init__(self, path: str, eos_id: int, pad_id: int, options: EngineOptions = EngineOptions()):
         # the engine core in this process: weight updates reach the model without pickling it across processes
@@ -39,13 +40,18 @@ class VLLMEngine:
         vllm = require("vllm")
         self.eos_id, self.pad_id, self.options = eos_id, pad_id, options
         self.weights_version = 0
+        from vllm.platforms import current_platform
+
+        # vLLM's CPU build cannot rewind a seeded request's generator when its prefill is split across steps
+        cpu = {"enable_chunked_prefill": False} if current_platform.is_cpu() else {}
         self.llm = vllm.LLM(model=path, tokenizer=path, dtype=options.dtype, seed=options.seed,
                             tensor_parallel_size=options.tensor_parallel_size,
                             gpu_memory_utilization=options.gpu_memory_utilization,
-                            max_model_len=options.max_model_len, enable_sleep_mode=options.sleep_during_update,
+                            max_model_len=context_length(path, options.max_model_len),
+                            enable_sleep_mode=options.sleep_during_update,
                             enforce_eager=options.enforce_eager, enable_prefix_caching=True,
                             # log-probs after temperature (and top-k / top-p), as our engines return them
-                            logprobs_mode="processed_logprobs")
+                            logprobs_mode="processed_logprobs", **cpu)
         self._vllm = vllm
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:
@@ -58,8 +64,10 @@ class VLLMEngine:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         check_newer(self.weights_version, version)
-        weights = [(k, v) for k, v in state_dict.items()]
-        self.llm.apply_model(lambda model: model.load_weights(weights=weights))
+        # vLLM's in-place reload takes checkpoint-format names and tensors and redoes whatever its kernels did to
+        # them after loading (repacking, fusing); the engine core runs in this process, so nothing is pickled
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items()),
+                                                         "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
         self.weights_version = version
 

@@ -81,6 +81,9 @@ class PolicyTrainer:
         ent = agg_loss(entropy, mask, mode, agg)
         loss = pg_loss - self.s.entropy_coeff * ent if self.s.entropy_coeff else pg_loss
         metrics = {**metrics, "actor/pg_loss": pg_loss.detach(), "actor/entropy": ent.detach()}
+        if "rollout_logprobs" in t:  # how far the engine's sampling probabilities are from the trainer's forward
+            diff = (t["rollout_logprobs"].exp() - old.exp()).abs()
+            metrics["training/rollout_probs_diff_mean"] = agg_loss(diff, mask, "token-mean", agg).detach()
         if self.s.beta > 0 and "ref_logprobs" in t:
             kl = agg_loss(kl_penalty(logp, t["ref_logprobs"], self.s.kl_loss_type), mask, mode, agg)
             loss = loss + self.s.beta * kl

@@ -9,51 +9,22 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def prefect_api(tmp_path_factory):
-    """One Prefect API server for the flows the tests run in subprocesses (`dvc repro` stages, nightly runs):
-    each would otherwise start Prefect's in-process server, about 10 s apiece on 2 cores. Yields its URL."""
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-    from pathlib import Path
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect_home")),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("PREFECT_API_URL", None)
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.time() + 180
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            break
-        except OSError:
-            if time.time() > deadline or proc.poll() is not None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                raise RuntimeError("the tests' Prefect server did not start")
-            time.sleep(0.5)
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-@pytest.fixture(scope="session")
-def prefect_harness():
+def prefect_api():
+    """One Prefect API server for the whole session (Prefect's test harness: a temporary database, the server a
+    child process of this one), yielding its URL. In-process flows report to it, and so do the flows the tests
+    run in subprocesses (`dvc repro` stages, nightly runs) when given PREFECT_API_URL; each would otherwise
+    start Prefect's in-process server, 10-20 s apiece on 2 cores."""
+    from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=180):
-        yield
+        yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(prefect_api):
+    """In-process flows run against the session's Prefect server."""
+    yield
 
 
 def small_overrides(root, iterations=4) -> list[str]:

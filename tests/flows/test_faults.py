@@ -60,7 +60,7 @@ def _kill_when(proc: subprocess.Popen, pointer: Path, name: str, timeout: float 
     raise AssertionError(f"no {name} within {timeout} s")
 
 
-def test_sigkilled_run_resumes_to_the_same_state(start, whole):
+def test_sigkilled_run_resumes_to_the_same_state(start, whole, prefect_api):
     """1. killed at iteration k, resumed with resume_mode=auto: same parameters, optimizer, RNG and sampler as an
     uninterrupted run; one MLflow run whose steps are exactly 1..N once each."""
     from flows.train import train_flow
@@ -69,7 +69,8 @@ def test_sigkilled_run_resumes_to_the_same_state(start, whole):
     out = root / "killed"
     cmd = [sys.executable, "-m", "flows.train", "--config", "configs/arith_grpo.yaml", *ov,
            f"trainer.output_dir={out}"]
-    proc = subprocess.Popen(cmd, cwd=os.getcwd(), env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_API_URL": prefect_api}  # the tests' one server
+    proc = subprocess.Popen(cmd, cwd=os.getcwd(), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     _kill_when(proc, out / "checkpoints" / "latest", "iter_000002")
     killed_run = json.loads((out / "checkpoints" / "iter_000002" / "state.json").read_text())["mlflow_run_id"]

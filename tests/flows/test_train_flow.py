@@ -48,6 +48,8 @@ def test_each_iteration_logged_exactly_once(pipeline_run):
         assert steps == list(range(1, ITERATIONS + 1)), (key, steps)
     val_steps = sorted(m.step for m in client.get_metric_history(info["run_id"], "val/arith/acc"))
     assert val_steps == [2, 4]
+    # the hf engine samples with the policy's own weights: its probabilities are the trainer's, to rounding
+    assert run.data.metrics["training/rollout_probs_diff_mean"] < 1e-4
     assert run.data.params["algorithm.name"] == "grpo" and run.data.params["engine.n"] == "4"
     tags = run.data.tags
     assert tags["pipeline"] == "e2e-test" and tags["pipeline_version"] == "0.0.1"

