@@ -7,7 +7,7 @@ from pathlib import Path
 
 from components.config import Config, fingerprint, flatten
 from components.data.io import write_json
-from components.lineage import file_md5, verify_tracked
+from components.lineage import file_md5, model_digest, verify_tracked
 from components.tracking import checkpoints
 from components.tracking.mlflow_tracker import Tracker, git_commit
 from components.tracking.plots import reward_curve
@@ -16,8 +16,12 @@ from tasks.common import logger, stage
 
 
 def run_fingerprint(cfg: Config) -> str:
-    """The config's training keys and the training data's md5: what a checkpoint must match to be resumed."""
-    return fingerprint(cfg, train_data=file_md5(cfg.data.train_path))
+    """The config's training keys, the training data's md5 and the models the run starts from (the policy,
+    and the critic's and reward model's when set): what a checkpoint must match to be resumed."""
+    models = {key: model_digest(path) for key, path in (("actor.model.path", cfg.actor.model.path),
+                                                         ("critic.model_path", cfg.critic.model_path),
+                                                         ("reward_model.path", cfg.reward_model.path)) if path}
+    return fingerprint(cfg, train_data=file_md5(cfg.data.train_path), **models)
 
 
 @stage(name="find-checkpoint")
