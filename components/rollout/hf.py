@@ -101,15 +101,25 @@ class HFEngine:
         return RolloutOutput(tokens_out, response_mask, logp_out * response_mask, self.weights_version)
 
 
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """The forward's name for the KV cache: `cache` in transformers 5.24, `past_key_values` in earlier ones (the
+    5.19 that vLLM's CPU build pins) and in models with their own code. A cache passed under the wrong name
+    would be swallowed by **kwargs and every decode step would see only its own token."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class _HFSteps:
     """Decode steps on transformers' forward and DynamicCache (any causal LM); rows are never dropped."""
 
     can_drop = False
 
     def __init__(self, model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor):
-        self.model, self.mask, self.cache = model, mask, DynamicCache()
+        self.model, self.mask = model, mask
+        self.cache = {cache_kwarg(model): DynamicCache()}
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        self.logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+        self.logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **self.cache,
                             use_cache=True, logits_to_keep=1).logits[:, -1, :]
         self.next_pos = positions[:, -1:] + 1
 
@@ -117,7 +127,7 @@ class _HFSteps:
         """Logits (N, V) after feeding one token per row."""
         self.mask = torch.cat([self.mask, torch.ones((len(tok), 1), dtype=self.mask.dtype, device=tok.device)], dim=1)
         out = self.model(input_ids=tok[:, None], attention_mask=self.mask, position_ids=self.next_pos,
-                         cache=self.cache, use_cache=True)
+                         **self.cache, use_cache=True)
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1, :]
 
