@@ -55,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from components.models.loading import load_tokenizer
     from components.rollout.base import SamplingParams, make_engine
     from components.rollout.completions import EngineOptions
-    from components.rollout.hf import left_pad
-    from components.training.logprobs import response_logprobs
+    from components.training.logprobs import engine_logprob_gaps
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", required=True, choices=["vllm", "sglang", "trtllm"])
@@ -83,13 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def logprob_gap(out) -> float:
         """Mean |engine log-prob - the policy's fp32 forward log-prob| over the sampled tokens."""
-        prompt_ids, prompt_mask = left_pad([p_ for p_ in ids for _ in range(params.n)], tok.pad_token_id)
-        device = next(policy.parameters()).device
-        with torch.no_grad():
-            ours, _ = response_logprobs(policy, prompt_ids.to(device), prompt_mask.to(device),
-                                        out.responses.to(device), out.response_mask.to(device), temperature=1.0)
-        mask = out.response_mask.bool()
-        return float((ours.cpu()[mask] - out.logprobs[mask]).abs().mean())
+        return float(engine_logprob_gaps(policy, ids, out, tok.pad_token_id).mean())
 
     result["logprob_mean_abs_diff"] = logprob_gap(out)
 

@@ -32,13 +32,13 @@ def model_digest(path: str | Path, whole_below: int = 64 << 20, edge: int = 4 <<
     for f in sorted(p for p in root.rglob("*") if p.is_file()):
         size = f.stat().st_size
         h.update(f"{f.relative_to(root)}\0{size}\0".encode())
+        if size <= whole_below:
+            h.update(file_md5(f).encode())
+            continue
         with open(f, "rb") as fh:
-            if size <= whole_below:
-                h.update(fh.read())
-            else:
-                h.update(fh.read(edge))
-                fh.seek(size - edge)
-                h.update(fh.read(edge))
+            h.update(fh.read(edge))
+            fh.seek(size - edge)
+            h.update(fh.read(edge))
     return h.hexdigest()
 
 

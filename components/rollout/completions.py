@@ -50,10 +50,13 @@ def has_cpu_build(engine_type: str) -> bool:
     """Whether the installed package of `engine_type` is its CPU build."""
     import importlib.metadata
 
+    if engine_type not in CPU_BUILDS:
+        return False
     try:
-        return engine_type in CPU_BUILDS and importlib.metadata.distribution(CPU_BUILDS[engine_type]) is not None
+        importlib.metadata.distribution(CPU_BUILDS[engine_type])
     except importlib.metadata.PackageNotFoundError:
         return False
+    return True
 
 
 def engine_problems(engine_type: str, cuda_available: bool | None = None, cpu_build: bool | None = None) -> list[str]:
@@ -67,9 +70,7 @@ def engine_problems(engine_type: str, cuda_available: bool | None = None, cpu_bu
                         f"`{install}`, or set engine.type=hf.")
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
-    if cpu_build is None:
-        cpu_build = has_cpu_build(engine_type)
-    if not cuda_available and not cpu_build:
+    if not cuda_available and not (has_cpu_build(engine_type) if cpu_build is None else cpu_build):
         cpu = f", or install its CPU build (`pip install {CPU_BUILDS[engine_type]}`)" \
             if engine_type in CPU_BUILDS else ""
         problems.append(f"engine.type={engine_type}: it needs a CUDA GPU and torch sees none "

@@ -54,3 +54,18 @@ def batch_logprobs(model: PreTrainedModel, batch, temperature: float, micro_batc
         parts.append(response_logprobs(model, t["prompts"], t["prompt_mask"], t["responses"], response_attention(t),
                                        temperature)[0])
     return torch.cat(parts)
+
+
+@torch.no_grad()
+def engine_logprob_gaps(model: PreTrainedModel, prompts: list[list[int]], out, pad_id: int) -> torch.Tensor:
+    """|engine log-prob - the model's forward log-prob| of every sampled token (1-D, masked tokens only): how
+    closely a rollout engine's `out` (RolloutOutput, rows i*n + j = sample j of prompt i) follows `model`."""
+    from components.rollout.hf import left_pad
+
+    n = len(out.responses) // len(prompts)
+    prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_id)
+    device = next(model.parameters()).device
+    ours, _ = response_logprobs(model, prompt_ids.to(device), prompt_mask.to(device), out.responses.to(device),
+                                out.response_mask.to(device))
+    mask = out.response_mask.bool()
+    return (ours.cpu()[mask] - out.logprobs[mask]).abs()

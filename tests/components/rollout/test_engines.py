@@ -221,8 +221,7 @@ def test_vllm_engine_for_real_where_it_runs(vllm_ready, tmp_path, tokenizer):
     from components.models import build_tiny_model, save_pretrained
     from components.rl import encode_prompts
     from components.rollout.completions import EngineOptions
-    from components.rollout.hf import left_pad
-    from components.training.logprobs import response_logprobs
+    from components.training.logprobs import engine_logprob_gaps
 
     policy = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
                               max_positions=256, seed=0)
@@ -233,11 +232,7 @@ def test_vllm_engine_for_real_where_it_runs(vllm_ready, tmp_path, tokenizer):
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
 
     def gap(out) -> float:
-        prompts, mask = left_pad([p for p in ids for _ in range(params.n)], tokenizer.pad_token_id)
-        with torch.no_grad():
-            ours, _ = response_logprobs(policy.eval(), prompts, mask, out.responses, out.response_mask)
-        m = out.response_mask.bool()
-        return float((ours[m] - out.logprobs[m]).abs().max())
+        return float(engine_logprob_gaps(policy.eval(), ids, out, tokenizer.pad_token_id).max())
 
     first = engine.generate(ids, params, seed=5)
     assert first.responses.shape[0] == len(ids) * params.n and first.weights_version == 0
