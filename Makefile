@@ -37,4 +37,4 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
 clean:
-	rm -rf data/raw data/clean data/quarantine checkpoints metrics mlruns.db mlartifacts dvc.lock
+	rm -rf data/raw data/clean data/quarantine checkpoints mlruns.db mlartifacts dvc.lock .prefect-results

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     from components.config import load_config
     from components.data.io import read_rows, to_plain
     from components.models.loading import load_model, load_tokenizer
-    from components.rl import encode_prompts
+    from components.data.prompts import PromptSettings, encode_prompts
     from components.rollout.base import SamplingParams
     from components.rollout.hf import HFEngine
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     for w in a.workloads:
         spec = WORKLOADS[w]
         tok, model = load_tokenizer(model_dir(w)), load_model(model_dir(w))
-        prompts = encode_prompts(tok, rows[:spec["prompts"]])
+        prompts = encode_prompts(tok, [r["prompt"] for r in rows[:spec["prompts"]]], PromptSettings())
         params = SamplingParams(n=spec["n"], temperature=1.0, max_new_tokens=spec["max_new"])
         engines = {"hf": HFEngine(model, tok.eos_token_id, tok.pad_token_id, fast_decode=False),
                    "lean": HFEngine(model, tok.eos_token_id, tok.pad_token_id)}

@@ -30,11 +30,10 @@ def tiny_model_dir() -> str:
 
 
 def prompts(tokenizer, count: int) -> list[list[int]]:
-    from components.rl import encode_prompts
+    from components.data.prompts import PromptSettings, encode_prompts
 
-    rows = [{"prompt": [{"role": "user", "content": f"What is {a} + {3 * a + 7}? Answer after ####."}]}
-            for a in range(count)]
-    return encode_prompts(tokenizer, rows)
+    texts = [[{"role": "user", "content": f"What is {a} + {3 * a + 7}? Answer after ####."}] for a in range(count)]
+    return encode_prompts(tokenizer, texts, PromptSettings())
 
 
 def sync() -> None:

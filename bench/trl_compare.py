@@ -72,10 +72,11 @@ def mean_prompt_tokens(w: str) -> float:
     from components.config import load_config
     from components.data.io import read_rows, to_plain
     from components.models.loading import load_tokenizer
-    from components.rl import encode_prompts
+    from components.data.prompts import PromptSettings, encode_prompts
 
     rows = [to_plain(r) for r in read_rows(load_config(CONFIG, []).data.train_path).to_dict("records")]
-    return statistics.mean(map(len, encode_prompts(load_tokenizer(model_dir(w)), rows)))
+    prompts = [r["prompt"] for r in rows]
+    return statistics.mean(map(len, encode_prompts(load_tokenizer(model_dir(w)), prompts, PromptSettings())))
 
 
 def n_params(path: Path) -> int:
@@ -140,14 +141,14 @@ def child_trl(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> d
     from components.config import load_config
     from components.data.io import read_rows, to_plain
     from components.models.loading import load_tokenizer
+    from components.data.prompts import PromptSettings, render_prompt
     from components.rewards.registry import scorer_for
 
     spec = WORKLOADS[w]
     cfg = load_config(CONFIG, [])
     tok = load_tokenizer(model_dir(w))
     rows = [to_plain(r) for r in read_rows(cfg.data.train_path).to_dict("records")]
-    data = Dataset.from_list([{"prompt": tok.apply_chat_template(list(r["prompt"]), add_generation_prompt=True,
-                                                                  tokenize=False),
+    data = Dataset.from_list([{"prompt": render_prompt(tok, r["prompt"], PromptSettings()),
                                "ground_truth": r["reward_model"]["ground_truth"]} for r in rows])
     score = scorer_for("arith", cfg)
 

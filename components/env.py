@@ -4,6 +4,12 @@ Each is only a default: a value already in the environment wins.
 """
 
 import os
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# Prefect persists stage results here, in this checkout: never shared with another checkout or user through
+# ~/.prefect/storage (`make clean` removes it)
+RESULTS_DIR = PROJECT_ROOT / ".prefect-results"
 
 DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # no telemetry calls from the ephemeral server
@@ -14,6 +20,7 @@ DEFAULTS = {
     "RAY_DEDUP_LOGS": "1",
     "HF_HUB_OFFLINE": "1",  # nothing is downloaded: models come from local paths
     "TRANSFORMERS_VERBOSITY": "error",
+    "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(RESULTS_DIR),
 }
 
 

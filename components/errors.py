@@ -15,3 +15,7 @@ class DataError(ReinforgeError):
 
 class CheckpointError(ReinforgeError):
     """A checkpoint is missing, incomplete or fails its checksum."""
+
+
+class OutputError(ReinforgeError):
+    """An output cannot be written: a full disk, no permission, or a path that is not ours to replace."""

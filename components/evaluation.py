@@ -22,8 +22,14 @@ def accuracy_metrics(scores: list[float], sources: list[str], k: int, prefix: st
 
 
 def evaluate(worker, rows: list[dict], reward_cfg, k: int, max_new_tokens: int, seed: int,
-             temperature: float = 1.0, batch_size: int = 256) -> dict[str, float]:
-    """Greedy accuracy (`val/<source>/acc`) and sampled mean@k / pass@k on `rows` with a rollout worker."""
+             temperature: float = 1.0, batch_size: int = 256, scorers: dict | None = None) -> dict[str, float]:
+    """Greedy accuracy (`val/<source>/acc`) and sampled mean@k / pass@k on `rows` with a rollout worker.
+    `scorers` (data_source -> scorer, resolved where the config's paths are, shipped by value) score the
+    answers; None resolves them here."""
+    if scorers is None:
+        from components.rewards.registry import scorers_for
+
+        scorers = scorers_for([r["data_source"] for r in rows], reward_cfg)
     results: dict[str, float] = {}
     for mode, params in (("greedy", SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)),
                          ("sampled", SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens))):
@@ -35,7 +41,8 @@ def evaluate(worker, rows: list[dict], reward_cfg, k: int, max_new_tokens: int, 
             batch = worker.generate(chunk, params, seed=seed + start, iteration=-1)
             texts = worker.decode(batch)
             nt = batch.non_tensors
-            s, _, _ = score_batch(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"], reward_cfg)
+            s, _, _ = score_batch(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"], reward_cfg,
+                                  scorers)
             scores += s
             sources += nt["data_source"]
             calls += batch.tensors["tool_calls"].tolist() if "tool_calls" in batch.tensors else []

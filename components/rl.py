@@ -21,15 +21,6 @@ if TYPE_CHECKING:
     from components.algorithms.presets import ResolvedAlgorithm
 
 
-def encode_prompts(tokenizer, rows: list[dict], tools: list[dict] | None = None) -> list[list[int]]:
-    """Token ids of each row's prompt, through the tokenizer's chat template (which shows `tools`' schemas
-    to models whose template supports them)."""
-    extra = {"tools": tools} if tools else {}
-    texts = [tokenizer.apply_chat_template(list(r["prompt"]), add_generation_prompt=True, tokenize=False, **extra)
-             for r in rows]
-    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-
-
 def rollout_batch(rows: list[dict], prompt_ids: list[list[int]], out: RolloutOutput, n: int, pad_id: int,
                   iteration: int) -> Batch:
     """Rows x n completions as one Batch. group_ids (N,) tie completions of one prompt together."""

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import re
 import sys
+import traceback
 
 from components.errors import ReinforgeError
 
@@ -37,32 +40,65 @@ def yield_prefect_server(niceness: int | None = None) -> int | None:
     return None
 
 
-def config_parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
+def config_parser(description: str, prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config file (default: %(default)s)")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error, not only its message")
     p.add_argument("overrides", nargs="*", help="config overrides as key=value, e.g. algorithm.beta=0.1")
     return p
 
 
-def check_config(path: str, overrides: list[str]) -> int:
+def report(exc: ReinforgeError, debug: bool = False) -> int:
+    """A user's error as one line on stderr (its traceback too with --debug); the exit code 2."""
+    if debug:
+        traceback.print_exception(exc)
+    print(f"error: {exc}", file=sys.stderr)
+    return 2
+
+
+def check_config(path: str, overrides: list[str], debug: bool = False) -> int:
     """Validate the config before any flow (or Prefect server) starts: 0 when good, 2 with the message."""
     from components.config import load_config
 
     try:
         load_config(path, overrides)
     except ReinforgeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report(exc, debug)
     return 0
 
 
-def run_cli(fn, *args, **kwargs) -> int:
-    """Run a flow; a ReinforgeError prints its message (no traceback) and exits 2."""
+class _UserErrorFilter(logging.Filter):
+    """Drops Prefect's console records of a run that failed on one of our errors (its traceback, and the
+    'Finished in state Failed(... ConfigError ...)' lines): the CLI prints that error once, as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        if record.exc_info and isinstance(record.exc_info[1], ReinforgeError):
+            return False
+        names = "|".join(cls.__name__ for cls in _subclasses(ReinforgeError))
+        return re.search(rf"\b({names})\b", record.getMessage()) is None
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [cls] + [s for sub in cls.__subclasses__() for s in _subclasses(sub)]
+
+
+def quiet_user_errors() -> None:
+    """Install _UserErrorFilter on the console handlers Prefect set up (the root logger's)."""
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _UserErrorFilter) for f in handler.filters):
+            handler.addFilter(_UserErrorFilter())
+
+
+def run_cli(fn, *args, debug: bool = False, **kwargs) -> int:
+    """Run a flow; a ReinforgeError prints its message once (no traceback unless `debug`) and exits 2."""
+    if not debug:
+        quiet_user_errors()
     try:
         result = fn(*args, **kwargs)
     except ReinforgeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report(exc, debug)
     if result is not None:
         print(json.dumps(result, indent=2, default=str))
     return 0

@@ -14,21 +14,23 @@ from prefect import flow
 from components.config import load_config
 from components.errors import ConfigError
 from components.progress import progress_bar
-from flows._args import check_config, config_parser, run_cli
+from components.tracking import runs
+from flows._args import check_config, config_parser, report, run_cli
+from tasks.caching import run_stage
 from tasks.evaluate import METRICS, evaluate_model, write_eval
-from tasks.tracking import read_run_info
+from tasks.tracking import finished_run_info
 
 
 @flow(name="rl-evaluate")
 def evaluate_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | None = None,
                   output: str = "metrics/eval.json") -> dict:
     cfg = load_config(config, overrides or [])
-    run = read_run_info(cfg.trainer.output_dir)
-    final = str(Path(cfg.trainer.output_dir) / "final")
+    run = finished_run_info(cfg)  # this configuration's newest finished run in trainer.output_dir
     results: dict = {}
     with progress_bar("evaluate", 2, cfg.trainer.progress) as advance:
-        for name, path in (("sft", cfg.sft.output_dir), ("final", final)):
-            results[name] = evaluate_model(path, cfg.data.eval_path, cfg)
+        for name, path, key in (("sft", cfg.sft.output_dir, "sft.output_dir"),
+                                ("final", run["final_model"], "trainer.output_dir")):
+            results[name] = run_stage(evaluate_model, path, cfg.data.eval_path, cfg, key, "data.eval_path")
             advance(info=f"{name} acc {results[name]['acc']:.3f}")
     results.update(iterations=run.get("iterations"), train_wall_seconds=run.get("wall_seconds"))
     results["gain"] = {"acc": results["final"]["acc"] - results["sft"]["acc"]}
@@ -39,11 +41,11 @@ def evaluate_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] 
 @flow(name="rl-evaluate-model")
 def evaluate_one_flow(model_path: str, eval_data: str, config: str = "configs/arith_grpo.yaml",
                       overrides: list[str] | None = None) -> dict:
-    return evaluate_model(model_path, eval_data, load_config(config, overrides or []))
+    return run_stage(evaluate_model, str(runs.model_dir(model_path)), eval_data, load_config(config, overrides or []))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = config_parser("Evaluate held-out accuracy (greedy acc, mean@k, pass@k).")
+    p = config_parser("Evaluate held-out accuracy (greedy acc, mean@k, pass@k).", "reinforge evaluate")
     p.add_argument("--model_path", help="evaluate this model directory alone")
     p.add_argument("--eval_data", help="held-out parquet/jsonl (with --model_path)")
     p.add_argument("--metric", default="math_acc", help=f"metric: {', '.join(METRICS)}")
@@ -52,17 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.metric not in METRICS:
         print(f"error: --metric {a.metric}: unknown; valid: {', '.join(METRICS)}", file=sys.stderr)
         return 2
-    if check_config(a.config, a.overrides):
+    if check_config(a.config, a.overrides, a.debug):
         return 2
     if a.model_path:
         if not a.eval_data:
-            return run_cli(_raise, ConfigError("--model_path needs --eval_data FILE (a held-out parquet)"))
-        return run_cli(evaluate_one_flow, a.model_path, a.eval_data, a.config, a.overrides)
-    return run_cli(evaluate_flow, a.config, a.overrides, a.output)
-
-
-def _raise(exc: Exception):
-    raise exc
+            return report(ConfigError("--model_path needs --eval_data FILE (a held-out parquet)"))
+        return run_cli(evaluate_one_flow, a.model_path, a.eval_data, a.config, a.overrides, debug=a.debug)
+    return run_cli(evaluate_flow, a.config, a.overrides, a.output, debug=a.debug)
 
 
 if __name__ == "__main__":

@@ -1,51 +1,71 @@
-"""Nightly retraining: data -> (sft if missing) -> train -> evaluate -> register if better.
+"""Nightly retraining: data -> (sft if missing) -> train -> evaluate -> register, promoted if better.
 
-One nightly at a time: a second run started meanwhile exits saying which process holds the lock.
+One nightly at a time: a second run started meanwhile exits saying which process holds the lock. A crashed
+nightly's run is continued by the next one; a finished one is trained again as a new run
+(trainer.when_finished=retrain). Every model is registered as a version of its own (an MLflow logged model);
+it takes the alias `champion` when its held-out accuracy beats the champion's on the same evaluation set, else
+`challenger`.
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 from prefect import flow, task
 
-from components.config import load_config
+from components.config import Config, load_config
+from components.lineage import file_md5
 from components.locking import exclusive
-from components.tracking.registry import register_if_better
+from components.tracking.registry import download_version, register_candidate
 from flows._args import check_config, config_parser, run_cli
 from flows.data import data_flow
 from flows.evaluate import evaluate_flow
 from flows.sft import sft_flow
 from flows.train import train_flow
-from tasks.common import STAGE
+from tasks.common import STAGE, logger
+from tasks.evaluate import evaluate_model
 
 
 @task(name="register-model", **STAGE)
-def register(name: str, run_id: str, acc: float) -> dict:
-    return register_if_better(name, run_id, "final_model", acc)
+def register(cfg: Config, name: str, info: dict, acc: float) -> dict:
+    """A new version of `name` for this run's logged model, with its alias decided against the champion
+    (measured again on this evaluation set when the champion's figure is from another one)."""
+    eval_set = f"{file_md5(cfg.data.eval_path)}:{cfg.trainer.eval_size or 'all'}"
+
+    def measure(version: str) -> float:
+        with tempfile.TemporaryDirectory(prefix="champion-") as tmp:
+            path = download_version(name, version, tmp)
+            return evaluate_model.fn(str(path), cfg.data.eval_path, cfg, f"{name} v{version}", "data.eval_path")["acc"]
+
+    decision = register_candidate(name, info["model_id"], info["run_id"], acc, eval_set, measure)
+    logger().info("registry: %s v%s -> %s (%s)", name, decision["version"], decision["alias"], decision["reason"])
+    return decision
 
 
 @flow(name="rl-nightly")
 def nightly_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | None = None,
                  model_name: str = "reinforge-arith", pipeline: str = "nightly", pipeline_version: str = "") -> dict:
-    overrides = overrides or []
+    overrides = [*(overrides or []), "trainer.when_finished=retrain"]
     cfg = load_config(config, overrides)
     with exclusive(Path(cfg.trainer.output_dir).parent / ".nightly.lock", f"pipeline {pipeline}"):
         data_flow(config, overrides)
         if not (Path(cfg.sft.output_dir) / "config.json").is_file():
             sft_flow(config, overrides)
         info = train_flow(config, overrides, pipeline, pipeline_version)
-        results = evaluate_flow(config, overrides, str(Path(cfg.trainer.output_dir) / "eval.json"))
-        reg = register(model_name, info["run_id"], results["final"]["acc"])
+        results = evaluate_flow(config, overrides, str(Path(info["final_model"]).parent / "eval.json"))
+        reg = register(cfg, model_name, info, results["final"]["acc"])
     return {"train": info, "eval": results, "registry": reg}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = config_parser("Nightly retraining: data, train, evaluate, register the model if it is better.")
+    p = config_parser("Nightly retraining: data, train, evaluate, register the model if it is better.",
+                      "reinforge nightly")
     p.add_argument("--model-name", default="reinforge-arith", help="MLflow registered model name")
     a = p.parse_args(argv)
-    return check_config(a.config, a.overrides) or run_cli(nightly_flow, a.config, a.overrides, a.model_name)
+    return check_config(a.config, a.overrides, a.debug) or run_cli(nightly_flow, a.config, a.overrides, a.model_name,
+                                                                   debug=a.debug)
 
 
 if __name__ == "__main__":

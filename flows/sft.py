@@ -8,18 +8,19 @@ from prefect import flow
 
 from components.config import load_config
 from flows._args import check_config, config_parser, run_cli
+from tasks.caching import run_stage
 from tasks.sft import run_sft
 
 
 @flow(name="rl-sft")
 def sft_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | None = None) -> str:
-    return run_sft(load_config(config, overrides or []))
+    return run_stage(run_sft, load_config(config, overrides or []))
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = config_parser("Supervised warm start: build the tiny model (or load sft.base_model) and fine-tune it.")\
-        .parse_args(argv)
-    return check_config(a.config, a.overrides) or run_cli(sft_flow, a.config, a.overrides)
+    a = config_parser("Supervised warm start: build the tiny model (or load sft.base_model) and fine-tune it.",
+                      "reinforge sft").parse_args(argv)
+    return check_config(a.config, a.overrides, a.debug) or run_cli(sft_flow, a.config, a.overrides, debug=a.debug)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ from prefect import flow
 from components.algorithms.presets import resolve
 from components.algorithms.shaping import KLController, group_counts
 from components.config import load_config
+from components.locking import exclusive
+from components.outputs import TRAIN_OUTPUT, check_output, claim_output
 from components.data.sampler import PromptSampler
-from components.models.loading import load_tokenizer
 from components.tracking import checkpoints
 from components.rl import concat_rounds, first_groups, informative_rows
 from components.progress import console, iteration_line, progress_bar
@@ -27,9 +28,9 @@ from components.training.ray_workers import rebuild_workers, stop_workers
 from flows._args import check_config, config_parser, run_cli, yield_prefect_server
 from tasks.data import load_datasets
 from tasks.common import is_transient, logger
-from tasks.rl import compute_advantages, evaluate_policy, generate_rollouts, prepare_batch, score_rewards, \
-    start_workers, sync_weights, update_critic, update_policy
-from tasks.tracking import checkpoint_metrics, finalize, find_checkpoint, log_metrics, restore_checkpoint, \
+from tasks.rl import check_inputs, compute_advantages, evaluate_policy, generate_rollouts, prepare_batch, \
+    score_rewards, start_workers, sync_weights, update_critic, update_policy
+from tasks.tracking import checkpoint_metrics, finalize, log_metrics, plan_training, restore_checkpoint, \
     run_fingerprint, save_checkpoint, start_run
 
 
@@ -82,7 +83,8 @@ def _restore(workers, ckpt: str | None, state: dict, sampler: PromptSampler, kl_
     if ckpt is None:
         return 0, 1
     restore_checkpoint(workers, ckpt)
-    log_metrics(tracker, checkpoint_metrics(state), state["iteration"])  # if killed before it was logged
+    if state.get("mlflow_run_id") == tracker.run_id:  # its own run: if killed before this was logged
+        log_metrics(tracker, checkpoint_metrics(state), state["iteration"])
     return sync_weights(workers), state["iteration"] + 1
 
 
@@ -93,12 +95,22 @@ def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | N
     yield_prefect_server()
     cfg = load_config(config, overrides or [])
     t = cfg.trainer
-    train_rows, eval_rows = load_datasets(cfg)
+    tokenizer = check_inputs(cfg)
+    train_rows, eval_rows = load_datasets(cfg, tokenizer)
+    output = check_output(t.output_dir, "trainer.output_dir", TRAIN_OUTPUT, t.run_dir)  # ours to write?
+    with exclusive(output.parent / f".{output.name}.lock", f"a training run in {output}"):
+        return _train(cfg, pipeline, pipeline_version, tokenizer, train_rows, eval_rows, started)
+
+
+def _train(cfg, pipeline: str, pipeline_version: str, tokenizer, train_rows: list[dict], eval_rows: list[dict],
+           started: float) -> dict:
+    t = cfg.trainer
     run_name = f"{pipeline or 'train'}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
-    tokenizer = load_tokenizer(cfg.actor.model.path)
-    fingerprint = run_fingerprint(cfg)  # config + training data: what a checkpoint must match to be resumed
-    ckpt, state = find_checkpoint(cfg, fingerprint)
-    tracker = start_run(cfg, pipeline, pipeline_version, run_name, state.get("mlflow_run_id"))
+    fingerprint = run_fingerprint(cfg)  # config, data, models, reward: what a checkpoint must match to resume
+    plan = plan_training(cfg, fingerprint)  # may refuse (nothing to train): nothing is written before this
+    claim_output(t.output_dir, "trainer.output_dir", TRAIN_OUTPUT, t.run_dir)
+    ckpt, state = (str(plan.checkpoint) if plan.checkpoint else None), plan.state
+    tracker = start_run(cfg, pipeline, pipeline_version, run_name, plan, fingerprint)
     sampler = PromptSampler(len(train_rows), cfg.data.batch_size, cfg.data.shuffle, t.seed)
     algo, a = resolve(cfg.algorithm), cfg.algorithm
     kl_ctrl = KLController(a.kl_coef, a.kl_ctrl, a.kl_target, a.kl_horizon) if a.use_kl_in_reward else None
@@ -137,8 +149,8 @@ def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | N
                     metrics.update(timings)
                     log_metrics(tracker, metrics, it)  # before the checkpoint: a crash between the two re-runs
                     if it % t.save_interval == 0 or it == t.iterations:  # `it`, whose metrics are not re-logged
-                        ckpt, state = save_checkpoint(workers, tracker, cfg, it, {
-                            "sampler": sampler.state_dict(), "weights_version": version, "fingerprint": fingerprint,
+                        ckpt, state = save_checkpoint(workers, tracker, cfg, plan, it, {
+                            "sampler": sampler.state_dict(), "weights_version": version, **fingerprint.state(),
                             **({"kl_ctrl": kl_ctrl.state_dict()} if kl_ctrl is not None else {})})
                         log_metrics(tracker, checkpoint_metrics(state), it)
                         metrics.update(checkpoint_metrics(state))
@@ -160,7 +172,7 @@ def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | N
                 if t.progress:
                     console.print(iteration_line(it, t.iterations, metrics))
                 it += 1
-        return finalize(workers, tracker, cfg, history, time.perf_counter() - started)
+        return finalize(workers, tracker, cfg, plan, history, time.perf_counter() - started)
     except BaseException:
         tracker.end("FAILED")
         raise
@@ -170,9 +182,9 @@ def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = config_parser("Run GRPO (or another preset) on the SFT model; metrics and checkpoints go to MLflow.")\
-        .parse_args(argv)
-    return check_config(a.config, a.overrides) or run_cli(train_flow, a.config, a.overrides)
+    a = config_parser("Run GRPO (or another preset) on the SFT model; metrics and checkpoints go to MLflow.",
+                      "reinforge train").parse_args(argv)
+    return check_config(a.config, a.overrides, a.debug) or run_cli(train_flow, a.config, a.overrides, debug=a.debug)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -76,3 +77,17 @@ class StageCache(CachePolicy):
 def cached_stage(policy: StageCache) -> dict:
     """Task options of a stage with a persisted JSON result under `policy`."""
     return {"cache_policy": policy, "persist_result": True, "result_serializer": "json"}
+
+
+def run_stage(task, *args, **kwargs):
+    """Call a cached stage and return its result, saying in the run's log when it came from the cache (its
+    inputs unchanged since it last ran, its outputs still there) instead of running."""
+    from tasks.common import logger
+
+    state = task(*args, return_state=True, **kwargs)
+    result = state.result()  # a failed stage raises its own error here
+    if state.name == "Cached":
+        logger().warning("%s: not run, its result is taken from the cache in %s (the config keys and files it "
+                         "reads are unchanged and its outputs are there)", task.name,
+                         os.environ.get("PREFECT_RESULTS_LOCAL_STORAGE_PATH", "Prefect's result storage"))
+    return result

@@ -1,21 +1,21 @@
-"""Data tasks: generate or import raw rows, then clean them into the train/eval files."""
+"""Data tasks: generate or import raw rows, clean them into the train/eval files, and load them for a flow."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 from prefect import task
 
-from tasks.caching import StageCache, cached_stage
-from tasks.common import logger
-
 from components.config import Config
-from dataclasses import asdict
-
-from components.data.clean import clean_file
-from components.data.formats import ROW_SCHEMA, arithmetic_rows, gsm8k_rows
-from components.data.io import to_plain, write_parquet
+from components.data.clean import RowRules, clean_file, dedup_key, validate_file
+from components.data.formats import ROW_SCHEMA, arithmetic_rows, gsm8k_splits
+from components.data.io import read_rows, to_plain, write_parquet
+from components.lineage import verify_tracked
+from components.models.loading import load_tokenizer
 from components.models.tiny import build_char_tokenizer
+from tasks.caching import StageCache, cached_stage
+from tasks.common import logger, stage
 
 
 def _raw_files(inputs: dict) -> list[str]:
@@ -28,65 +28,99 @@ def _clean_outputs(inputs: dict) -> list[str]:
     return [d.train_path, d.eval_path]
 
 
-PREPARE_CACHE = StageCache(config_keys=("data", "trainer.seed"), reads=lambda i: [p for p in [i["cfg"].data.gsm8k_path] if p],
-                           writes=_raw_files)
-CLEAN_CACHE = StageCache(config_keys=("data", "sft.base_model"), reads=_raw_files, writes=_clean_outputs)
+def _gsm8k_files(inputs: dict) -> list[str]:
+    d = inputs["cfg"].data
+    return [p for p in (d.gsm8k_path, d.gsm8k_test_path) if p]
+
+
+def tokenizer_source(cfg: Config) -> tuple[str, str] | None:
+    """(config key, directory) of the tokenizer prompts will be encoded with: the model SFT starts from
+    (sft.base_model), or the policy when it does not come out of this project's SFT; None = the tiny model's
+    character tokenizer, which SFT builds."""
+    if cfg.sft.base_model:
+        return "sft.base_model", cfg.sft.base_model
+    if Path(cfg.actor.model.path).resolve() != Path(cfg.sft.output_dir).resolve():
+        return "actor.model.path", cfg.actor.model.path
+    return None
+
+
+def _tokenizer_of(source: tuple[str, str] | None, cfg: Config):
+    if source is None:  # the tiny model's, with the tool-call tokens for multi-turn runs
+        return build_char_tokenizer(tool_tokens=cfg.multi_turn.enable or cfg.data.task == "arith_tool")
+    key, path = source
+    return load_tokenizer(path, key)
+
+
+def data_tokenizer(cfg: Config):
+    """The tokenizer of tokenizer_source: what the clean stage checks prompts with."""
+    return _tokenizer_of(tokenizer_source(cfg), cfg)
+
+
+def sft_tokenizer(cfg: Config):
+    """The tokenizer SFT trains with: sft.base_model's, or the tiny model's it builds."""
+    return _tokenizer_of(("sft.base_model", cfg.sft.base_model) if cfg.sft.base_model else None, cfg)
+
+
+def _tokenizer_files(inputs: dict) -> list[str]:
+    source = tokenizer_source(inputs["cfg"])
+    if source is None:
+        return []
+    return [str(Path(source[1]) / name) for name in ("tokenizer.json", "tokenizer_config.json",
+                                                     "chat_template.jinja")]
+
+
+PREPARE_CACHE = StageCache(config_keys=("data", "trainer.seed"), reads=_gsm8k_files, writes=_raw_files)
+CLEAN_CACHE = StageCache(config_keys=("data", "sft.base_model", "sft.output_dir", "actor.model.path",
+                                      "multi_turn.enable"),
+                         reads=lambda i: _raw_files(i) + _tokenizer_files(i), writes=_clean_outputs)
 
 
 @task(name="prepare-data", timeout_seconds=600, **cached_stage(PREPARE_CACHE))
 def prepare_data(cfg: Config) -> list[str]:
-    """Write data.raw_dir/{train,test}.parquet: the arithmetic task, or an import of data.gsm8k_path."""
+    """Write data.raw_dir/{train,test}.parquet: the arithmetic task, or an import of data.gsm8k_path (with
+    data.gsm8k_test_path, or a seeded held-out split of it)."""
     d = cfg.data
     raw = Path(d.raw_dir)
     if d.gsm8k_path:
-        train, test = gsm8k_rows(d.gsm8k_path, "train"), gsm8k_rows(d.gsm8k_path, "test")
+        train, test = gsm8k_splits(d.gsm8k_path, d.gsm8k_test_path, d.num_eval, cfg.trainer.seed)
     else:
         train, test = arithmetic_rows(d.num_train, d.num_eval, d.max_operand, d.operations, cfg.trainer.seed,
                                       d.tool_sft_fraction if d.task == "arith_tool" else None)
-    paths = [write_parquet(train, raw / "train.parquet", ROW_SCHEMA), write_parquet(test, raw / "test.parquet",
-                                                                                   ROW_SCHEMA)]
+    paths = [write_parquet(rows, raw / name, ROW_SCHEMA) for rows, name in ((train, "train.parquet"),
+                                                                          (test, "test.parquet"))]
     logger().info("prepared %d train and %d test rows in %s", len(train), len(test), raw)
     return [str(p) for p in paths]
 
 
-def _token_counter(cfg: Config):
-    """Counts prompt tokens with the policy's tokenizer if one exists yet, else the tiny character one."""
-    from components.models.loading import load_tokenizer
-
-    base = cfg.sft.base_model
-    tok = load_tokenizer(base, key="sft.base_model") if base else build_char_tokenizer()
-    return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
-
-
 @task(name="clean-data", timeout_seconds=600, **cached_stage(CLEAN_CACHE))
 def clean_data(cfg: Config) -> list[dict]:
-    """Validate raw rows; write clean files and quarantine files (with reasons); log the counts."""
+    """Validate raw rows; write clean files and quarantine files (with reasons); log the counts. Held-out
+    rows whose prompt is a training prompt are quarantined (`in_train`)."""
     d = cfg.data
-    count = _token_counter(cfg)
-    reports = []
-    for src, dst in ((Path(d.raw_dir) / "train.parquet", d.train_path), (Path(d.raw_dir) / "test.parquet",
-                                                                        d.eval_path)):
-        r = clean_file(src, dst, d.quarantine_dir, count, d.max_prompt_len)
+    tokenizer, rules = data_tokenizer(cfg), RowRules.from_config(cfg)
+    raw = Path(d.raw_dir)
+    reports, train_keys = [], None
+    for src, dst in ((raw / "train.parquet", d.train_path), (raw / "test.parquet", d.eval_path)):
+        r = clean_file(src, dst, d.quarantine_dir, tokenizer, rules, train_keys)
         logger().info("%s: %d rows in, %d kept, %d quarantined %s -> %s", src, r.input_rows, r.kept,
-                              r.quarantined, r.reasons or "", r.quarantine_path)
+                      r.quarantined, r.reasons or "", r.quarantine_path)
         reports.append(asdict(r))
+        if train_keys is None:
+            train_keys = _keys(to_plain(r) for r in read_rows(dst).to_dict("records"))
     return reports
 
 
-@task(name="load-datasets", timeout_seconds=600)
-def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """The cleaned train and eval rows as plain dicts, once their md5 matches what DVC recorded (a file
-    edited behind DVC's back stops the run here, naming it, before anything is trained)."""
-    from components.data.io import read_rows
-    from components.errors import DataError
-    from components.lineage import verify_tracked
+def _keys(rows) -> set:
+    return {dedup_key(r["data_source"], r["prompt"]) for r in rows}
 
-    out = []
-    for key, path in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
-        rows = read_rows(path, key=key)  # a missing file: DataError naming the key
-        verify_tracked([path])
-        rows = rows.to_dict("records")
-        if not rows:
-            raise DataError(f"{key}: {path} has no rows; run `reinforge clean` and check the quarantine folder")
-        out.append([to_plain(r) for r in rows])
-    return out[0], out[1]
+
+@stage(name="load-datasets", timeout_seconds=600)
+def load_datasets(cfg: Config, tokenizer) -> tuple[list[dict], list[dict]]:
+    """The train and eval rows, each checked as the clean stage checks them (with the policy's tokenizer) and
+    with their md5 matching what DVC recorded: a bad row or a file edited behind DVC's back stops the run here,
+    naming the file, row and column, before any worker or MLflow run starts."""
+    rules = RowRules.from_config(cfg)
+    train = validate_file(cfg.data.train_path, "data.train_path", tokenizer, rules)
+    test = validate_file(cfg.data.eval_path, "data.eval_path", tokenizer, rules, _keys(train))
+    verify_tracked([cfg.data.train_path, cfg.data.eval_path])
+    return train, test

@@ -7,6 +7,10 @@ import time
 from components.algorithms.presets import resolve
 from components.batch import Batch
 from components.config import Config
+from components.data.prompts import prompt_text
+from components.errors import ConfigError
+from components.models.loading import check_model_dir, load_tokenizer
+from components.rewards.registry import scorers_for
 from components.rl import add_advantages, add_rewards, decode_responses
 from components.rollout.base import SamplingParams
 from components.training import ray_workers
@@ -19,6 +23,23 @@ def sampling_params(cfg: Config) -> SamplingParams:
     e = cfg.engine
     return SamplingParams(n=e.n, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
                           max_new_tokens=e.max_new_tokens)
+
+
+@stage(name="check-inputs")
+def check_inputs(cfg: Config):
+    """What can be checked before any worker or MLflow run starts: the policy's tokenizer (loaded as saved,
+    checked) and weights, the critic's and reward model's directories. Returns the tokenizer."""
+    tokenizer = load_tokenizer(cfg.actor.model.path)
+    check_model_dir(cfg.actor.model.path, "actor.model.path")
+    if cfg.critic.model_path and resolve(cfg.algorithm).needs_critic:
+        check_model_dir(cfg.critic.model_path, "critic.model_path")
+    if cfg.reward_model.path:
+        check_model_dir(cfg.reward_model.path, "reward_model.path")
+    if cfg.multi_turn.enable and not tokenizer.chat_template:
+        raise ConfigError(f"multi_turn.enable=true: the tokenizer of actor.model.path={cfg.actor.model.path} has "
+                          "no chat template, which tool turns are rendered with. Use a model whose tokenizer has "
+                          "one, or set multi_turn.enable=false.")
+    return tokenizer
 
 
 @stage(name="start-workers")
@@ -42,7 +63,7 @@ def generate_rollouts(workers: Workers, rows: list[dict], cfg: Config, iteration
         pool.health_check()
     ensure_current(workers, version)
     seeds = [seed] if len(pool.actors) == 1 else [derive_seed(seed, "engine", k) for k in range(len(pool.actors))]
-    load = [sum(len(m["content"]) for m in r["prompt"]) for r in rows]
+    load = [len(prompt_text(r["prompt"])) for r in rows]
     batch = pool.generate(rows, load, (sampling_params(cfg), iteration, version, greedy), seeds, workers.timeout_s)
     batch.meta["engine_restarts"] = pool.restarts - restarts
     if pool.restarts != restarts:
@@ -146,5 +167,6 @@ def evaluate_policy(workers: Workers, rows: list[dict], cfg: Config) -> dict[str
     """Greedy accuracy and mean@k / pass@k on the held-out rows with the current weights."""
     rows = rows[:cfg.trainer.eval_size] if cfg.trainer.eval_size else rows
     ensure_current(workers, workers.call("policy", "state")["version"])
+    scorers = scorers_for([r["data_source"] for r in rows], cfg)  # resolved here, where the config's paths are
     return workers.call("rollout", "evaluate", rows, cfg, cfg.trainer.eval_k, cfg.engine.max_new_tokens,
-                        derive_seed(cfg.trainer.seed, "eval"), cfg.engine.temperature or 1.0)
+                        derive_seed(cfg.trainer.seed, "eval"), cfg.engine.temperature or 1.0, scorers=scorers)

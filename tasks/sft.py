@@ -7,42 +7,64 @@ from pathlib import Path
 import torch
 from prefect import task
 
-from tasks.caching import StageCache, cached_stage
-from tasks.common import logger
-
 from components.config import Config
-from components.data.io import read_rows
-from components.models import build_char_tokenizer, build_tiny_model, load_model, load_tokenizer, save_pretrained
+from components.data.clean import RowRules, validate_file
+from components.data.prompts import PromptSettings
+from components.errors import DataError
+from components.models import build_tiny_model, load_model, save_pretrained
+from components.outputs import SFT_MODEL, check_output
 from components.progress import progress_bar
 from components.training.seeding import seed_everything
-from components.training.sft import encode_examples, train_sft
+from components.training.sft import SFTExample, encode_examples, train_sft
+from tasks.caching import StageCache, cached_stage
+from tasks.common import logger
+from tasks.data import sft_tokenizer
+
+SFT_CACHE = StageCache(
+    config_keys=("sft", "actor.model.max_seq_len", "trainer.seed", "multi_turn.enable", "data.task",
+                 "data.apply_chat_template", "data.allow_unk", "data.max_prompt_len"),
+    reads=lambda i: [i["cfg"].data.train_path] + ([i["cfg"].sft.base_model] if i["cfg"].sft.base_model else []),
+    writes=lambda i: [str(Path(i["cfg"].sft.output_dir) / "config.json")])
 
 
-SFT_CACHE = StageCache(config_keys=("sft", "actor.model.max_seq_len", "trainer.seed"),
-                       reads=lambda i: [i["cfg"].data.train_path] + ([i["cfg"].sft.base_model] if i["cfg"].sft.base_model
-                                                                     else []),
-                       writes=lambda i: [str(Path(i["cfg"].sft.output_dir) / "config.json")])
+def check_examples(examples: list[SFTExample], answers: list[str], max_seq_len: int, path: str) -> None:
+    """Every row has an answer to learn (extra_info.answer) and fits actor.model.max_seq_len; DataError naming
+    the first rows that do not."""
+    empty = [i for i, a in enumerate(answers) if not a.strip()]
+    long = [(i, len(e.prompt_ids) + len(e.answer_ids)) for i, e in enumerate(examples)
+            if len(e.prompt_ids) + len(e.answer_ids) > max_seq_len]
+    if empty:
+        raise DataError(f"data.train_path={path}: {len(empty)} rows have no answer to train on (column "
+                        f"extra_info.answer), the first: row {empty[0]}. SFT needs an answer per row; give them, "
+                        "or skip SFT and train from a model that needs none (actor.model.path).")
+    if long:
+        raise DataError(f"data.train_path={path}: {len(long)} rows are longer than actor.model.max_seq_len="
+                        f"{max_seq_len} tokens (prompt + answer), the first: row {long[0][0]} with {long[0][1]}. "
+                        "Raise actor.model.max_seq_len, or shorten those answers.")
 
 
 @task(name="sft", timeout_seconds=3600, **cached_stage(SFT_CACHE))
 def run_sft(cfg: Config) -> str:
+    s, path = cfg.sft, cfg.data.train_path
+    check_output(s.output_dir, "sft.output_dir", SFT_MODEL, cfg.trainer.run_dir)  # before any work
+    tok = sft_tokenizer(cfg)
+    rows = validate_file(path, "data.train_path", tok, RowRules.from_config(cfg))
+    answers = [r["extra_info"]["answer"] for r in rows]
+    examples = encode_examples(tok, [r["prompt"] for r in rows], answers, PromptSettings.from_config(cfg))
+    check_examples(examples, answers, cfg.actor.model.max_seq_len, path)
     seed_everything(cfg.trainer.seed)
     torch.set_num_threads(cfg.trainer.num_threads)
-    s = cfg.sft
     if s.base_model:
-        tok, model = load_tokenizer(s.base_model, "sft.base_model"), load_model(s.base_model, key="sft.base_model")
+        model = load_model(s.base_model, key="sft.base_model")
     else:
-        tok = build_char_tokenizer(tool_tokens=cfg.multi_turn.enable or cfg.data.task == "arith_tool")
         model = build_tiny_model(tok, hidden_size=s.hidden_size, num_layers=s.num_layers, num_heads=s.num_heads,
                                  intermediate_size=s.intermediate_size, max_positions=cfg.actor.model.max_seq_len,
                                  seed=cfg.trainer.seed)
-    rows = read_rows(cfg.data.train_path, key="data.train_path").to_dict("records")
-    examples = encode_examples(tok, [list(r["prompt"]) for r in rows], [r["extra_info"]["answer"] for r in rows])
     with progress_bar("sft", s.steps, cfg.trainer.progress) as advance:
         losses = train_sft(model, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr,
                            pad_id=tok.pad_token_id, seed=cfg.trainer.seed, final_lr_frac=s.final_lr_frac,
                            on_step=lambda step, loss: advance(info=f"loss {loss:.3f}"))
-    out = save_pretrained(model, tok, Path(s.output_dir))
-    logger().info("SFT: %d steps, final loss %.4f, saved to %s", s.steps, losses[-1] if losses else
-                          float("nan"), out)
+    out = save_pretrained(model, tok, Path(s.output_dir), kind=SFT_MODEL)
+    logger().info("SFT: %d steps, final loss %.4f, saved to %s", s.steps, losses[-1] if losses else float("nan"),
+                  out)
     return str(out)

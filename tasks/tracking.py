@@ -1,4 +1,5 @@
-"""Tracking and checkpoint tasks: the MLflow run, per-iteration metrics, checkpoints, the final model."""
+"""Tracking and checkpoint tasks: the run plan, the MLflow run, per-iteration metrics, checkpoints, the final
+model."""
 
 from __future__ import annotations
 
@@ -6,57 +7,71 @@ import json
 from pathlib import Path
 
 from components.config import Config, fingerprint, flatten
-from components.data.io import write_json
+from components.config.loader import training_keys
+from components.data.io import write_atomic
 from components.lineage import file_md5, model_digest, verify_tracked
-from components.tracking import checkpoints
+from components.outputs import MODEL
+from components.tracking import checkpoints, runs
 from components.tracking.mlflow_tracker import Tracker, git_commit
 from components.tracking.plots import reward_curve
 from components.training.ray_workers import Workers
 from tasks.common import logger, stage
 
 
-def run_fingerprint(cfg: Config) -> str:
-    """The config's training keys, the training data's md5 and the models the run starts from (the policy,
-    and the critic's and reward model's when set): what a checkpoint must match to be resumed."""
-    models = {key: model_digest(path) for key, path in (("actor.model.path", cfg.actor.model.path),
-                                                         ("critic.model_path", cfg.critic.model_path),
-                                                         ("reward_model.path", cfg.reward_model.path)) if path}
-    return fingerprint(cfg, train_data=file_md5(cfg.data.train_path), **models)
+def run_fingerprint(cfg: Config) -> runs.Fingerprint:
+    """What a checkpoint must match to be resumed: the config's training keys, the training data's md5, the
+    models the run starts from (the policy, and the critic's and reward model's when set) and the custom
+    reward function's source."""
+    inputs = {"train_data": file_md5(cfg.data.train_path)}
+    for key, path in (("actor.model.path", cfg.actor.model.path), ("critic.model_path", cfg.critic.model_path),
+                      ("reward_model.path", cfg.reward_model.path)):
+        if path:
+            inputs[key] = model_digest(path)
+    reward_file = cfg.custom_reward_function.path
+    if reward_file:
+        inputs["custom_reward_function.path"] = file_md5(reward_file) if Path(reward_file).is_file() else "-"
+    config = {k: v for k, v in training_keys(cfg).items()}
+    return runs.Fingerprint(fingerprint(cfg, **inputs), json.loads(json.dumps(config, default=str)), inputs)
 
 
-@stage(name="find-checkpoint")
-def find_checkpoint(cfg: Config, fingerprint: str) -> tuple[str | None, dict]:
-    """The checkpoint trainer.resume_mode asks for (verified) and its state.json; (None, {}) to start fresh.
-
-    auto: the newest checkpoint under trainer.output_dir that verifies and was made with this config; a
-    corrupted one is passed over (and named in the log) for the last good one. A path: that checkpoint,
-    or CheckpointError naming the bad file."""
-    mode = cfg.trainer.resume_mode
-    if mode == "disable":
-        return None, {}
-    if mode == "auto":
-        ckpt, skipped = checkpoints.find_resumable(Path(cfg.trainer.output_dir) / "checkpoints", fingerprint)
-        for reason in skipped:
-            logger().warning("resume: passed over a checkpoint: %s", reason)
-    else:
-        ckpt = Path(mode)
-        checkpoints.verify(ckpt)
-    if ckpt is None:
-        return None, {}
-    logger().warning("resuming from %s", ckpt)
-    return str(ckpt), json.loads((ckpt / "state.json").read_text())
+@stage(name="plan-run")
+def plan_training(cfg: Config, fp: runs.Fingerprint) -> runs.RunPlan:
+    """Which run directory this training writes and which verified checkpoint it continues
+    (components/tracking/runs.py); a corrupt checkpoint is passed over, named in the log, for the last good
+    one. Raises before anything is written when there is nothing to train."""
+    t = cfg.trainer
+    plan = runs.plan_run(t.output_dir, fp, t.resume_mode, t.iterations, t.resume_accept_mismatch, t.when_finished)
+    for note in plan.notes:
+        logger().warning("resume: %s", note)
+    if plan.checkpoint is not None:
+        checkpoints.check_same_shapes(plan.checkpoint, cfg.actor.model.path)
+        logger().warning("resuming from %s%s", plan.checkpoint,
+                         f" (a finished run, extended to {t.iterations} iterations)" if plan.extends else "")
+    return plan
 
 
 @stage(name="start-run")
-def start_run(cfg: Config, pipeline: str, version: str, run_name: str, run_id: str | None = None) -> Tracker:
+def start_run(cfg: Config, pipeline: str, version: str, run_name: str, plan: runs.RunPlan,
+              fp: runs.Fingerprint) -> Tracker:
     """One MLflow run: params = flattened config; tags = git commit, data hashes, pipeline name/version.
-    With run_id (a resumed training) the same run continues; steps it already has are never logged again."""
+    A resumed training continues its run (never renamed; steps it already has are never logged again); an
+    extension of a finished run logs to a child of it, which stays as it finished. Writes the run directory's
+    run.json."""
     hashes = verify_tracked([cfg.data.train_path, cfg.data.eval_path])
-    tracker = Tracker(cfg.trainer.experiment_name, run_name, run_id=run_id)
+    parent = plan.parent_run_id
+    tags = {"git_commit": git_commit(), "pipeline": pipeline or "adhoc", "pipeline_version": version or "",
+            "dvc.train_md5": hashes[cfg.data.train_path], "dvc.eval_md5": hashes[cfg.data.eval_path],
+            "reinforge.run_dir": str(plan.run_dir)}
+    if parent:
+        run_name = f"{run_name}-extends-{parent[:8]}"
+        tags.update({"mlflow.parentRunId": parent, "reinforge.extends": f"{parent} at iteration {plan.extends}"})
+    tracker = Tracker(cfg.trainer.experiment_name, run_name, run_id=plan.mlflow_run_id)
+    if plan.mlflow_run_id and tracker.run_id != plan.mlflow_run_id:
+        logger().warning("resume: MLflow run %s of the checkpoint is not in this tracking store; logging to a new "
+                         "run %s", plan.mlflow_run_id, tracker.run_id)
     tracker.log_params(flatten(cfg))
-    tracker.set_tags({"git_commit": git_commit(), "pipeline": pipeline or "adhoc", "pipeline_version": version or "",
-                      "dvc.train_md5": hashes[cfg.data.train_path], "dvc.eval_md5": hashes[cfg.data.eval_path],
-                      "mlflow.runName": run_name})
+    tracker.set_tags(tags if tracker.resumed else {**tags, "mlflow.runName": run_name})
+    runs.start_info(plan, fp, cfg.trainer.iterations, tracker.run_id)
     return tracker
 
 
@@ -67,19 +82,21 @@ def log_metrics(tracker: Tracker, metrics: dict[str, float], step: int) -> bool:
 
 
 @stage(name="save-checkpoint")
-def save_checkpoint(workers: Workers, tracker: Tracker, cfg: Config, iteration: int, state: dict) -> tuple[str, dict]:
-    """Atomic checkpoint (the policy worker's model, optimizer, scheduler, RNG and critic; the driver's
-    `state`: sampler position, weights version, controller, run fingerprint) logged to MLflow as an artifact. Returns its
-    directory and its state.json (checkpoint_metrics reads the save's timing from it). The metrics queued
-    so far are stored first: a checkpoint never gets ahead of its run's metrics."""
+def save_checkpoint(workers: Workers, tracker: Tracker, cfg: Config, plan: runs.RunPlan, iteration: int,
+                    state: dict) -> tuple[str, dict]:
+    """Atomic checkpoint in the run's own directory (the policy worker's model, optimizer, scheduler, RNG and
+    critic; the driver's `state`: sampler position, weights version, controller, run fingerprint) logged to
+    MLflow as an artifact. Returns its directory and its state.json (checkpoint_metrics reads the save's timing
+    from it). The metrics queued so far are stored first: a checkpoint never gets ahead of its run's metrics."""
     tracker.flush()
     path = checkpoints.save_checkpoint(
-        Path(cfg.trainer.output_dir) / "checkpoints", iteration,
+        plan.checkpoints, iteration,
         lambda out: workers.call("policy", "write_checkpoint", str(out), cfg.trainer.save_optimizer),
-        {**state, "mlflow_run_id": tracker.run_id, "seed": cfg.trainer.seed},
+        {**state, "mlflow_run_id": tracker.run_id, "seed": cfg.trainer.seed,
+         "target_iterations": cfg.trainer.iterations},
         keep=cfg.trainer.max_checkpoints_to_keep)
     tracker.log_artifacts(path, f"checkpoints/{path.name}")
-    return str(path), json.loads((path / "state.json").read_text())
+    return str(path), checkpoints.read_state(path)
 
 
 def checkpoint_metrics(state: dict) -> dict[str, float]:
@@ -94,22 +111,26 @@ def restore_checkpoint(workers: Workers, ckpt: str) -> int:
 
 
 @stage(name="finalize")
-def finalize(workers: Workers, tracker: Tracker, cfg: Config, history: list[dict], wall_s: float) -> dict:
-    """Save the final model (HF format), the reward curve and run.json; end the MLflow run."""
-    out = Path(cfg.trainer.output_dir)
-    final = workers.call("policy", "save_model", str(out / "final"))
-    tracker.log_artifacts(final, "final_model")
-    plot = reward_curve(history, out / "reward_curve.png")
+def finalize(workers: Workers, tracker: Tracker, cfg: Config, plan: runs.RunPlan, history: list[dict],
+             wall_s: float) -> dict:
+    """Save the final model in the run directory (HF format) and log it to MLflow as a model of its own
+    (stored apart from the run's artifacts, so no later run ever writes its files); the reward curve and
+    run.json; end the MLflow run. `latest` in trainer.output_dir names this run."""
+    final = workers.call("policy", "save_model", str(plan.run_dir / "final"), MODEL)
+    model_id = tracker.log_model(final, "final_model")
+    plot = reward_curve(history, plan.run_dir / "reward_curve.png")
     tracker.log_artifact(plot)
     last_eval = next((h for h in reversed(history) if "val/acc" in h), {})
-    info = {"run_id": tracker.run_id, "iterations": cfg.trainer.iterations, "wall_seconds": round(wall_s, 2),
-            "final_model": final, "final_val_acc": last_eval.get("val/acc"), "experiment": cfg.trainer.experiment_name}
-    write_json(info, out / "run.json")
-    tracker.log_artifact(out / "run.json")
+    info = runs.write_info(plan.run_dir, status="finished", final_model=final, model_id=model_id,
+                           final_val_acc=last_eval.get("val/acc"), wall_seconds=round(wall_s, 2),
+                           experiment=cfg.trainer.experiment_name, run_id=tracker.run_id)
+    info = {**info, "iterations": cfg.trainer.iterations}
+    tracker.log_artifact(plan.run_dir / runs.RUN_INFO)
+    write_atomic(Path(cfg.trainer.output_dir) / "latest", lambda tmp: Path(tmp).write_text(plan.run_dir.name + "\n"))
     tracker.end("FINISHED")
     return info
 
 
-def read_run_info(output_dir: str | Path) -> dict:
-    p = Path(output_dir) / "run.json"
-    return json.loads(p.read_text()) if p.is_file() else {}
+def finished_run_info(cfg: Config) -> dict:
+    """run.json of this configuration's newest finished run (for evaluation)."""
+    return runs.read_info(runs.finished_run(cfg.trainer.output_dir, run_fingerprint(cfg).digest))

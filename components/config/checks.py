@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 # Paths the pipeline reads as data or writes to: each must resolve (symlinks followed) inside trainer.run_dir.
 CONTAINED_PATHS = ("data.train_path", "data.eval_path", "data.raw_dir", "data.quarantine_dir", "sft.output_dir",
                    "trainer.output_dir")
+# Output directories a stage replaces or prunes: never the run directory itself.
+OUTPUT_DIRS = ("sft.output_dir", "trainer.output_dir")
 
 
 def config_value(cfg, dotted: str):
@@ -30,17 +32,25 @@ def config_value(cfg, dotted: str):
 def path_problems(cfg: "Config") -> list[str]:
     """Each contained path that escapes trainer.run_dir (by `..`, an absolute path or a symlink), with the fix.
     Only resolves names; nothing is created or written."""
-    root = Path(cfg.trainer.run_dir).resolve()
-    problems = []
-    for key in CONTAINED_PATHS:
-        raw = config_value(cfg, key)
-        resolved = Path(raw).resolve()
-        if resolved != root and root not in resolved.parents:
-            how = "a symlink leads" if Path(raw).resolve() != Path(raw).absolute() and ".." not in Path(raw).parts \
-                else "it resolves"
-            problems.append(f"{key}={raw}: {how} outside the run directory {root} (to {resolved}). Keep it "
-                            "inside, or set trainer.run_dir to a directory that holds it.")
-    return problems
+    problems = [escape_problem(key, config_value(cfg, key), cfg.trainer.run_dir, key in OUTPUT_DIRS)
+                for key in CONTAINED_PATHS]
+    return [p for p in problems if p]
+
+
+def escape_problem(key: str, raw: str, run_dir: str, output_dir: bool = False) -> str | None:
+    """Why path `raw` (of config key or flag `key`) may not be used: it leaves the run directory (by `..`, an
+    absolute path or a symlink), or, for an output directory, it is the run directory itself. None if fine."""
+    root = Path(run_dir).resolve()
+    resolved = Path(raw).resolve()
+    if output_dir and resolved == root:
+        return (f"{key}={raw}: that is the run directory {root} itself; an output directory is replaced as a "
+                f"whole, so give a subdirectory of its own (e.g. {key}={Path(raw) / 'out'}).")
+    if resolved != root and root not in resolved.parents:
+        how = "a symlink leads" if Path(raw).resolve() != Path(raw).absolute() and ".." not in Path(raw).parts \
+            else "it resolves"
+        return (f"{key}={raw}: {how} outside the run directory {root} (to {resolved}). Keep it inside, or set "
+                "trainer.run_dir to a directory that holds it.")
+    return None
 
 
 def parallel_problems(cfg: "Config", responses: int) -> list[str]:

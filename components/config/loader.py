@@ -26,8 +26,65 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override `{item}`: `{part}` is both a value and a section")
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"override `{item}`: the value is not valid YAML ({problem}); quote it, or write a "
+                              "list as [a, b] and a mapping as {k: v}") from None
     return tree
+
+
+def _mark(mark) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+def _duplicate_keys(node, path: Path, prefix: str = "") -> None:
+    """ConfigError naming the first key that a mapping of the composed YAML holds twice, with both lines (YAML
+    itself keeps the last value silently, and a repeated section would replace the earlier one whole)."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, Any] = {}
+        for key_node, value_node in node.value:
+            key = key_node.value
+            dotted = f"{prefix}.{key}" if prefix else str(key)
+            if key in seen:
+                raise ConfigError(f"{path}: key `{dotted}` is set twice (line {seen[key].line + 1} and line "
+                                  f"{key_node.start_mark.line + 1}); keep one of them.")
+            seen[key] = key_node.start_mark
+            _duplicate_keys(value_node, path, dotted)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _duplicate_keys(item, path, prefix)
+
+
+def read_yaml(path: str | Path, what: str = "config file") -> Any:
+    """A YAML file parsed strictly: UTF-8 only, no key twice in one mapping, not empty. Every problem is one
+    ConfigError naming the file, line and column."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {p} does not exist; pass --config configs/arith_grpo.yaml or a file "
+                          "of your own")
+    data = p.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ConfigError(f"{p}: line {line}, column {column}: byte {data[exc.start]:#04x} is not UTF-8; save "
+                          "the file as UTF-8.") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is None:
+            raise ConfigError(f"{what} {p} is empty; give at least one section (e.g. `trainer:`), or leave "
+                              "--config out to use configs/arith_grpo.yaml.")
+        _duplicate_keys(node, p)
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{_mark(mark)}: " if mark is not None else ""
+        raise ConfigError(f"{p}: {where}not valid YAML: {exc.problem or exc.context}.") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {str(exc).splitlines()[0]}.") from None
 
 
 # Other frameworks' names for our keys: (section, alias) -> key. Renamed in the file and in the overrides
@@ -35,12 +92,19 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
 ALIASES = {("algorithm", "beta"): "kl_loss_coef"}
 
 
-def _rename_aliases(tree: dict[str, Any]) -> dict[str, Any]:
+def _rename_aliases(tree: dict[str, Any], where: str) -> dict[str, Any]:
+    """Aliases renamed to their keys; an alias and its key both set to different values in one source (`where`:
+    the file, or the overrides) is an error, since one would silently win."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
     for (section, alias), key in ALIASES.items():
         node = out.get(section)
-        if isinstance(node, dict) and alias in node:
-            node[key] = node.pop(alias)
+        if not (isinstance(node, dict) and alias in node):
+            continue
+        value = node.pop(alias)
+        if key in node and node[key] != value:
+            raise ConfigError(f"{where}: {section}.{alias}={value!r} and {section}.{key}={node[key]!r} are one key "
+                              f"under two names; set only {section}.{key}.")
+        node[key] = value
     return out
 
 
@@ -86,17 +150,10 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     """Read `path` (YAML), apply overrides, and return a validated Config or raise ConfigError."""
     raw: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist; pass --config configs/arith_grpo.yaml or a file "
-                              "of your own")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
+        raw = read_yaml(path)
         if not isinstance(raw, dict):
-            raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(raw).__name__}")
-    raw = _merge(_rename_aliases(raw), _rename_aliases(parse_overrides(overrides)))
+            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
+    raw = _merge(_rename_aliases(raw, str(path)), _rename_aliases(parse_overrides(overrides), "the overrides"))
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
@@ -109,7 +166,8 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 
 
 # Keys that do not change what an iteration computes: a checkpoint made under other values still resumes.
-RESUME_NEUTRAL = ("trainer.iterations", "trainer.resume_mode", "trainer.progress", "trainer.save_interval",
+RESUME_NEUTRAL = ("trainer.iterations", "trainer.resume_mode", "trainer.resume_accept_mismatch",
+                  "trainer.when_finished", "trainer.progress", "trainer.save_interval",
                   "trainer.test_interval", "trainer.eval_k", "trainer.eval_size", "trainer.experiment_name",
                   "trainer.max_checkpoints_to_keep", "trainer.num_threads", "trainer.save_optimizer",
                   # how the update is spread over workers: the same step (within rounding) and a checkpoint
@@ -120,14 +178,18 @@ RESUME_NEUTRAL = ("trainer.iterations", "trainer.resume_mode", "trainer.progress
                   "trainer.simulated_bandwidth_gbps", "trainer.stage_timeout_s", "trainer.max_worker_rebuilds")
 
 
+def training_keys(cfg: Config) -> dict[str, Any]:
+    """Every flattened key that shapes what training computes (all but RESUME_NEUTRAL)."""
+    return {k: v for k, v in flatten(cfg).items() if not any(k == n or k.startswith(n + ".") for n in RESUME_NEUTRAL)}
+
+
 def fingerprint(cfg: Config, **inputs: str) -> str:
     """sha256 of every key that shapes training and of `inputs` (e.g. the training data's md5): auto-resume
     only continues a checkpoint made with the same one, so new data or a changed key trains afresh."""
     import hashlib
     import json
 
-    flat = {k: v for k, v in flatten(cfg).items() if not any(k == n or k.startswith(n + ".") for n in RESUME_NEUTRAL)}
-    return hashlib.sha256(json.dumps([flat, inputs], sort_keys=True, default=str).encode()).hexdigest()
+    return hashlib.sha256(json.dumps([training_keys(cfg), inputs], sort_keys=True, default=str).encode()).hexdigest()
 
 
 def flatten(cfg: Config) -> dict[str, Any]:

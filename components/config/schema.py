@@ -194,11 +194,17 @@ class DataConfig(Section):
     batch_size: int = Field(32, ge=1, description="prompts per RL iteration")
     shuffle: bool = Field(True, description="shuffle prompts each epoch")
     max_prompt_len: int = Field(16, ge=1, description="prompts longer than this (tokens) are quarantined")
+    apply_chat_template: bool | None = Field(None, description="render prompts through the tokenizer's chat "
+                                             "template; None = yes for chat messages, no for plain strings")
+    allow_unk: bool = Field(False, description="keep prompts with characters outside the tokenizer's vocabulary "
+                                               "(they reach the model as its unknown token); false = quarantine")
     num_train: int = Field(4000, ge=1, description="generated training problems")
     num_eval: int = Field(200, ge=1, description="generated held-out problems")
     max_operand: int = Field(99, ge=1, description="largest operand of a generated problem")
     operations: list[Literal["+", "-", "*"]] = Field(["+"], description="operators used by the generator")
-    gsm8k_path: str | None = Field(None, description="local GSM8K jsonl/parquet to import instead")
+    gsm8k_path: str | None = Field(None, description="local GSM8K jsonl/parquet to import instead (its train split)")
+    gsm8k_test_path: str | None = Field(None, description="local GSM8K test file; None = hold out data.num_eval "
+                                                          "seeded rows of gsm8k_path")
     task: Literal["arith", "arith_tool"] = Field("arith", description="generated task; arith_tool: SFT answers "
                                                                        "that call the calculator (multi_turn)")
     tool_sft_fraction: float = Field(0.5, ge=0, le=1, description="arith_tool: share of SFT answers that call "
@@ -224,8 +230,14 @@ class TrainerConfig(Section):
     test_interval: int = Field(10, ge=1, description="evaluate every N iterations (and at the end)")
     seed: int = Field(0, description="seed of every RNG")
     save_optimizer: bool = Field(True, description="store optimizer state in checkpoints (an exact resume needs it)")
-    resume_mode: str = Field("auto", description="auto (newest verified checkpoint made with this config), disable, "
-                                                 "or a checkpoint directory")
+    resume_mode: str = Field("auto", description="auto (continue this configuration's run, or extend it to more "
+                                                 "iterations), disable (a new run from the start), or a checkpoint "
+                                                 "directory")
+    resume_accept_mismatch: bool = Field(False, description="resume_mode=<checkpoint> of another configuration: "
+                                                            "continue it anyway (in a new run directory)")
+    when_finished: Literal["stop", "retrain"] = Field("stop", description="resume_mode=auto when this configuration's "
+                                                      "run already finished trainer.iterations: stop with a message, "
+                                                      "or train a new run from the start (the nightly)")
     stage_timeout_s: int = Field(1200, ge=1, description="a worker call running longer is killed with every process "
                                                          "it started, and counts as the worker's death")
     max_worker_rebuilds: int = Field(3, ge=0, description="times a dead worker group is rebuilt from the last "

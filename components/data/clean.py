@@ -1,41 +1,239 @@
-"""Cleaning: validate rows against the schema, quarantine failures, duplicates and over-long prompts.
+"""One validation path for rows: the clean stage quarantines what fails it, the flows refuse a file that fails it.
 
-Nothing is dropped silently: every input row ends up either in the clean file or in the quarantine file
-with a `reason`, and kept + quarantined = input is checked before anything is written.
+A row is checked against the row schema (pandera, on a flat view of the row) after the types whose meaning is
+unambiguous are normalised (an int ground truth becomes its string, a dict or list ground truth its JSON text),
+then through the policy's tokenizer: its prompt must render and tokenize (`components.data.prompts`) without
+the unknown token (unless data.allow_unk) and within data.max_prompt_len. Duplicates are found after Unicode
+(NFKC) and whitespace normalisation; held-out rows whose prompt is also a training prompt are refused.
+
+Nothing is dropped silently: every input row ends up either kept or quarantined with a `reason` (a short
+kind), the `column` it concerns and a `detail`, and kept + quarantined = input is checked before anything is
+written.
 """
 
 from __future__ import annotations
 
 import json
+import unicodedata
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pandas as pd
 import pandera.pandas as pa
 
-from components.data.formats import ROW_SCHEMA, prompt_text
+from components.data.formats import row_schema
 from components.data.io import read_rows, to_plain, write_parquet
+from components.data.prompts import MESSAGES, PromptSettings, check_fits, encode_prompt, prompt_form, prompt_text
 from components.errors import DataError
 
+REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
+QUARANTINE_COLUMNS = ["source_file", "source_row", "reason", "column", "detail", "row_json"]
 
-def _non_blank(s: pd.Series) -> pd.Series:
-    return s.str.strip().str.len() > 0
+
+@dataclass(frozen=True)
+class RowRules:
+    """What a row must satisfy beyond the schema (data.max_prompt_len, data.allow_unk, data.apply_chat_template)."""
+
+    max_prompt_len: int
+    allow_unk: bool = False
+    prompts: PromptSettings = field(default_factory=PromptSettings)
+
+    @classmethod
+    def from_config(cls, cfg) -> "RowRules":
+        d = cfg.data
+        return cls(d.max_prompt_len, d.allow_unk, PromptSettings.from_config(cfg))
 
 
-# The flattened view of a row that the schema checks (nested parquet structs are unpacked first).
+@dataclass(frozen=True)
+class Problem:
+    reason: str  # the kind: missing_column, missing, wrong_type, empty, prompt_form, unk_tokens, too_long, ...
+    column: str
+    detail: str
+
+
+def _is_str(v) -> bool:
+    return isinstance(v, str)
+
+
+def _non_blank(v) -> bool:
+    return not isinstance(v, str) or bool(v.strip())
+
+
+def _prompt_not_empty(v) -> bool:
+    if v == []:
+        return False
+    return prompt_form(v) is None or bool(prompt_text(v).strip())
+
+
+def _utf8(v) -> bool:
+    try:
+        prompt_text(v).encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: bytes that were never valid UTF-8
+        return False
+    return True
+
+
+# The flat view of a row the schema checks; each check's name is the quarantine reason.
 FLAT_SCHEMA = pa.DataFrameSchema(
     {
-        "data_source": pa.Column(str, pa.Check(_non_blank, error="data_source is empty"), nullable=False),
-        "prompt_text": pa.Column(str, pa.Check(_non_blank, error="prompt is empty"), nullable=False),
-        "ground_truth": pa.Column(str, pa.Check(_non_blank, error="ground_truth is empty"), nullable=False),
-        "ability": pa.Column(str, nullable=False),
+        "data_source": pa.Column(None, [pa.Check(_is_str, element_wise=True, name="wrong_type"),
+                                        pa.Check(_non_blank, element_wise=True, name="empty")], nullable=False),
+        "prompt": pa.Column(None, [pa.Check(lambda v: prompt_form(v) is not None or v == [], element_wise=True,
+                                            name="wrong_type"),
+                                   pa.Check(_prompt_not_empty, element_wise=True, name="empty"),
+                                   pa.Check(lambda v: prompt_form(v) is None or _utf8(v), element_wise=True,
+                                            name="invalid_utf8")], nullable=False),
+        "ground_truth": pa.Column(None, [pa.Check(_is_str, element_wise=True, name="wrong_type"),
+                                         pa.Check(_non_blank, element_wise=True, name="empty")], nullable=False),
     },
     coerce=False,
 )
+SCHEMA_COLUMNS = {"data_source": "data_source", "prompt": "prompt", "ground_truth": "reward_model.ground_truth"}
 
-QUARANTINE_COLUMNS = ["source_file", "source_row", "reason", "row_json"]
+
+def normalise_truth(value):
+    """A ground truth as the string the scorers compare with, where its meaning is unambiguous: an int becomes
+    its digits, a dict or list its JSON text (countdown's target and numbers, code's tests). Anything else
+    (a float, a bool) is left for the schema to refuse.
+
+    >>> normalise_truth(3), normalise_truth("3"), normalise_truth({"target": 4}), normalise_truth(3.5)
+    ('3', '3', '{"target": 4}', 3.5)
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True)
+    return value
+
+
+def _flat(records: list[dict]) -> pd.DataFrame:
+    def truth(rec):
+        rm = rec.get("reward_model")
+        return normalise_truth(rm.get("ground_truth")) if isinstance(rm, dict) else None
+
+    return pd.DataFrame({"data_source": [r.get("data_source") for r in records],
+                         "prompt": [r.get("prompt") for r in records],
+                         "ground_truth": [truth(r) for r in records]}, dtype=object)
+
+
+def _schema_problems(flat: pd.DataFrame) -> dict[int, Problem]:
+    try:
+        FLAT_SCHEMA.validate(flat, lazy=True)
+        return {}
+    except pa.errors.SchemaErrors as exc:
+        problems: dict[int, Problem] = {}
+        cases = exc.failure_cases.dropna(subset=["index"])
+        for case in cases.itertuples():
+            i, column = int(case.index), SCHEMA_COLUMNS.get(case.column, str(case.column))
+            if i in problems:
+                continue
+            value = flat.at[i, case.column]
+            if case.check == "not_nullable":
+                problems[i] = Problem("missing", column, f"{column} is missing")
+            elif case.check == "wrong_type":
+                what = "a list of chat messages {role, content} or a string" if case.column == "prompt" else "a string"
+                problems[i] = Problem("wrong_type", column, f"{column} is {type(value).__name__} {str(value)[:40]!r}; "
+                                                            f"it must be {what}")
+            else:
+                problems[i] = Problem(str(case.check), column, f"{column} is {case.check.replace('_', ' ')}")
+        return problems
+
+
+def dedup_key(data_source: str, prompt) -> tuple[str, str]:
+    """Rows that say the same thing: Unicode compatibility forms folded (NFKC: full-width digits are digits)
+    and runs of whitespace made one space."""
+    text = unicodedata.normalize("NFKC", prompt_text(prompt))
+    return data_source, " ".join(text.split())
+
+
+def _normalise(rec: dict) -> dict:
+    """A kept row in the exact row format."""
+    extra = rec.get("extra_info") if isinstance(rec.get("extra_info"), dict) else {}
+    prompt = rec["prompt"] if isinstance(rec["prompt"], str) else [
+        {"role": m["role"], "content": m["content"]} for m in rec["prompt"]]
+    style = rec["reward_model"].get("style")
+    return {
+        "data_source": rec["data_source"],
+        "prompt": prompt,
+        "ability": rec.get("ability") if isinstance(rec.get("ability"), str) else "",
+        "reward_model": {"style": style if isinstance(style, str) else "rule",
+                         "ground_truth": normalise_truth(rec["reward_model"]["ground_truth"])},
+        "extra_info": {"split": extra.get("split") if isinstance(extra.get("split"), str) else "",
+                       "index": int(extra["index"]) if isinstance(extra.get("index"), int) else -1,
+                       "answer": extra.get("answer") if isinstance(extra.get("answer"), str) else "",
+                       "question": extra.get("question") if isinstance(extra.get("question"), str) else ""},
+    }
+
+
+class RowChecker:
+    """Checks rows with one tokenizer and one set of rules; `train_keys` (dedup keys of the training rows) makes
+    a held-out file refuse rows that are also training rows."""
+
+    def __init__(self, tokenizer, rules: RowRules, train_keys: set | None = None):
+        self.tokenizer, self.rules = tokenizer, rules
+        self.train_keys = train_keys or set()
+
+    def _token_problem(self, prompt) -> Problem | None:
+        ids = encode_prompt(self.tokenizer, prompt, self.rules.prompts)
+        unk = self.tokenizer.unk_token_id
+        if unk is not None and unk in ids and not self.rules.allow_unk:
+            bad = sorted({c for c in prompt_text(prompt) if self.tokenizer.unk_token_id in
+                          self.tokenizer(c, add_special_tokens=False)["input_ids"]})
+            return Problem("unk_tokens", "prompt", f"characters outside the tokenizer's vocabulary: {bad[:8]!r} "
+                                                   "(data.allow_unk=true keeps such rows)")
+        if len(ids) > self.rules.max_prompt_len:
+            return Problem("too_long", "prompt", f"prompt has {len(ids)} tokens > data.max_prompt_len="
+                                                 f"{self.rules.max_prompt_len}")
+        return None
+
+    def check(self, df: pd.DataFrame, source_file: str) -> tuple[list[dict], list[dict]]:
+        """(kept rows in the row format, quarantined rows with reason/column/detail), in input order."""
+        records = [to_plain(r) for r in df.reset_index(drop=True).to_dict("records")]
+        missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
+        if missing:
+            problems = {i: Problem("missing_column", missing[0], f"the file has no `{missing[0]}` column "
+                                   f"(required: {', '.join(REQUIRED_COLUMNS)})") for i in range(len(records))}
+        else:
+            problems = _schema_problems(_flat(records))
+        form, seen = None, {}
+        for i, rec in enumerate(records):
+            if i in problems:
+                continue
+            this = prompt_form(rec["prompt"])
+            if form is None:
+                form = this
+                check_fits(self.tokenizer, form, self.rules.prompts, source_file)
+            if this != form:
+                problems[i] = Problem("prompt_form", "prompt", f"a {this} prompt in a file of {form} prompts; one "
+                                                                "file holds one form")
+                continue
+            problem = self._token_problem(rec["prompt"])
+            if problem is not None:
+                problems[i] = problem
+                continue
+            key = dedup_key(rec["data_source"], rec["prompt"])
+            if key in seen:
+                problems[i] = Problem("duplicate", "prompt", f"duplicate of row {seen[key]}")
+            elif key in self.train_keys:
+                problems[i] = Problem("in_train", "prompt", "the same prompt is a training row; held-out rows "
+                                                            "must not be trained on")
+            else:
+                seen[key] = i
+        kept = [_normalise(r) for i, r in enumerate(records) if i not in problems]
+        quarantined = [{"source_file": source_file, "source_row": i, "reason": problems[i].reason,
+                        "column": problems[i].column, "detail": problems[i].detail,
+                        "row_json": json.dumps(records[i], sort_keys=True, default=str)} for i in sorted(problems)]
+        if len(kept) + len(quarantined) != len(records):
+            raise DataError(f"cleaning {source_file}: kept {len(kept)} + quarantined {len(quarantined)} != "
+                            f"{len(records)} input rows (a bug in reinforge; please report it)")
+        return kept, quarantined
+
+
+def clean_rows(df: pd.DataFrame, tokenizer, rules: RowRules, source_file: str,
+               train_keys: set | None = None) -> tuple[list[dict], list[dict]]:
+    """Split rows into (kept rows, quarantined rows with reasons); the input's order is kept."""
+    return RowChecker(tokenizer, rules, train_keys).check(df, source_file)
 
 
 @dataclass
@@ -48,112 +246,45 @@ class CleanReport:
     quarantine_path: str
 
 
-def _get(d, key):
-    return d.get(key) if isinstance(d, dict) else None
-
-
-def _str_or_none(x):
-    return x if isinstance(x, str) else None
-
-
-def _flatten(df: pd.DataFrame) -> pd.DataFrame:
-    col = lambda name: df[name] if name in df.columns else pd.Series([None] * len(df), index=df.index)  # noqa
-    return pd.DataFrame({
-        "data_source": col("data_source").map(_str_or_none),
-        "prompt_text": col("prompt").map(prompt_text),
-        "ground_truth": col("reward_model").map(lambda r: _str_or_none(_get(r, "ground_truth"))),
-        "ability": col("ability").map(lambda a: a if isinstance(a, str) else ("" if a is None else None)),
-    }, index=df.index)
-
-
-def _schema_failures(flat: pd.DataFrame) -> dict[int, str]:
-    try:
-        FLAT_SCHEMA.validate(flat, lazy=True)
-        return {}
-    except pa.errors.SchemaErrors as exc:
-        reasons: dict[int, str] = {}
-        for case in exc.failure_cases.itertuples():
-            if pd.isna(case.index):
-                continue
-            what = case.check if "empty" in str(case.check) else f"{case.column}: {case.check}"
-            reasons.setdefault(int(case.index), f"schema: {what}")
-        return reasons
-
-
-def _normalise(rec: dict) -> dict:
-    """A kept row in the exact row format (numpy arrays from parquet back to lists)."""
-    rec = to_plain(rec)
-    extra = rec.get("extra_info") if isinstance(rec.get("extra_info"), dict) else {}
-    return {
-        "data_source": rec["data_source"],
-        "prompt": rec["prompt"] if isinstance(rec["prompt"], list) else [{"role": "user", "content": rec["prompt"]}],
-        "ability": rec.get("ability") or "",
-        "reward_model": {"style": rec["reward_model"].get("style") or "rule",
-                         "ground_truth": rec["reward_model"]["ground_truth"]},
-        "extra_info": {"split": _str_or_none(extra.get("split")) or "",
-                       "index": int(extra["index"]) if isinstance(extra.get("index"), int) else -1,
-                       "answer": _str_or_none(extra.get("answer")) or "",
-                       "question": _str_or_none(extra.get("question")) or ""},
-    }
-
-
-def clean_rows(df: pd.DataFrame, count_tokens: Callable[[str], int], max_prompt_len: int,
-               source_file: str) -> tuple[list[dict], list[dict]]:
-    """Split rows into (kept rows, quarantined rows with reasons); order of the input is kept."""
-    df = df.reset_index(drop=True)
-    flat = _flatten(df)
-    reasons = _schema_failures(flat)
-    seen: dict[tuple, int] = {}
-    for i, row in flat.iterrows():
-        if i in reasons:
-            continue
-        try:
-            row.prompt_text.encode("utf-8")
-        except UnicodeEncodeError:  # lone surrogates: bytes that were never valid UTF-8
-            reasons[i] = "prompt is not valid UTF-8"
-            continue
-        key = (row.data_source, row.prompt_text)
-        if key in seen:
-            reasons[i] = f"duplicate of row {seen[key]}"
-            continue
-        n_tok = count_tokens(row.prompt_text)
-        if n_tok > max_prompt_len:
-            reasons[i] = f"too long: prompt has {n_tok} tokens > data.max_prompt_len={max_prompt_len}"
-            continue
-        seen[key] = i
-    records = df.to_dict("records")
-    kept = [_normalise(r) for i, r in enumerate(records) if i not in reasons]
-    quarantined = [{"source_file": source_file, "source_row": i, "reason": reasons[i],
-                    "row_json": json.dumps(to_plain(records[i]), sort_keys=True, default=str)}
-                   for i in sorted(reasons)]
-    if len(kept) + len(quarantined) != len(df):
-        raise DataError(f"cleaning {source_file}: kept {len(kept)} + quarantined {len(quarantined)} != "
-                        f"{len(df)} input rows (a bug in reinforge; please report it)")
-    return kept, quarantined
-
-
-def clean_file(src: str | Path, dst: str | Path, quarantine_dir: str | Path,
-               count_tokens: Callable[[str], int], max_prompt_len: int) -> CleanReport:
-    """Clean one file: write the kept rows to `dst` and the rejected ones to `quarantine_dir/<name>`."""
+def clean_file(src: str | Path, dst: str | Path, quarantine_dir: str | Path, tokenizer, rules: RowRules,
+               train_keys: set | None = None) -> CleanReport:
+    """Clean one file: the kept rows to `dst`, the rejected ones to `quarantine_dir/<dst's name>`. When no row
+    survives, the quarantine file is still written, a previous `dst` is removed (it would look valid to the
+    next stage), and DataError names the quarantine file."""
     df = read_rows(src, key="input data")
-    kept, quarantined = clean_rows(df, count_tokens, max_prompt_len, str(src))
-    if not kept:
-        raise DataError(f"{src}: all {len(df)} rows were quarantined (see {quarantine_dir}); the first reason: "
-                        f"{quarantined[0]['reason'] if quarantined else 'file is empty'}. Fix the data.")
+    kept, quarantined = clean_rows(df, tokenizer, rules, str(src), train_keys)
     qpath = Path(quarantine_dir) / (Path(dst).stem + ".parquet")
     write_parquet(quarantined, qpath, schema=None if quarantined else _empty_quarantine_schema())
-    write_parquet(kept, dst, schema=ROW_SCHEMA)
-    counts = Counter(_reason_kind(q["reason"]) for q in quarantined)
-    return CleanReport(len(df), len(kept), len(quarantined), dict(sorted(counts.items())), str(dst), str(qpath))
+    counts = dict(sorted(Counter(q["reason"] for q in quarantined).items()))
+    if not kept:
+        Path(dst).unlink(missing_ok=True)
+        first = f"row {quarantined[0]['source_row']}: {quarantined[0]['detail']}" if quarantined else "the file is empty"
+        raise DataError(f"{src}: all {len(df)} rows were quarantined ({counts or 'none'}), written to {qpath}; the "
+                        f"first: {first}. Fix the data and run `reinforge clean` again.")
+    write_parquet(kept, dst, schema=row_schema(prompt_form(kept[0]["prompt"])))
+    return CleanReport(len(df), len(kept), len(quarantined), counts, str(dst), str(qpath))
 
 
-def _reason_kind(reason: str) -> str:
-    """`schema: prompt is empty` -> `schema`; `duplicate of row 3` -> `duplicate`."""
-    return reason.split(":")[0].split(" of ")[0]
+def validate_file(path: str | Path, key: str, tokenizer, rules: RowRules,
+                  train_keys: set | None = None) -> list[dict]:
+    """The rows of a file a flow is about to use, each checked as the clean stage checks it. DataError naming
+    the file, the first bad rows, their column and reason when any row fails (nothing is quarantined here:
+    the flow stops before any work, and `reinforge clean` sorts the file)."""
+    df = read_rows(path, key=key)
+    kept, bad = RowChecker(tokenizer, rules, train_keys).check(df, str(path))
+    if bad:
+        shown = "; ".join(f"row {q['source_row']}, column {q['column']}: {q['reason']} ({q['detail']})"
+                          for q in bad[:3])
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise DataError(f"{key}={path}: {len(bad)} of {len(df)} rows fail validation: {shown}{more}. Run "
+                        "`reinforge clean` to quarantine them, or fix the file.")
+    if not kept:
+        raise DataError(f"{key}={path} has no rows; run `reinforge clean` and check the quarantine folder")
+    return kept
 
 
 def _empty_quarantine_schema():
     import pyarrow
 
-    return pyarrow.schema([("source_file", pyarrow.string()), ("source_row", pyarrow.int64()),
-                           ("reason", pyarrow.string()), ("row_json", pyarrow.string())])
+    types = {"source_row": pyarrow.int64()}
+    return pyarrow.schema([(c, types.get(c, pyarrow.string())) for c in QUARANTINE_COLUMNS])

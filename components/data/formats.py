@@ -1,7 +1,7 @@
 """verl's row format, the arithmetic task generator, and the GSM8K importer.
 
-A row: data_source (str), prompt (chat messages), ability (str), reward_model {style, ground_truth},
-extra_info {split, index, answer, question}.
+A row: data_source (str), prompt (chat messages, or a plain string: TRL's standard format), ability (str),
+reward_model {style, ground_truth}, extra_info {split, index, answer, question}.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import random
 import re
 from pathlib import Path
 
-import pandas as pd
 import pyarrow as pa
 
 from components.data.io import read_rows
@@ -20,14 +19,22 @@ ARITH_SOURCE = "arith"
 ARITH_TOOL_SOURCE = "arith_tool"
 GSM8K_SOURCE = "openai/gsm8k"
 
-ROW_SCHEMA = pa.schema([
-    ("data_source", pa.string()),
-    ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-    ("ability", pa.string()),
-    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()),
-                              ("question", pa.string())])),
-])
+MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+
+
+def row_schema(form: str = "messages") -> pa.Schema:
+    """The parquet schema of rows whose prompts are chat messages ("messages") or plain strings ("text")."""
+    return pa.schema([
+        ("data_source", pa.string()),
+        ("prompt", MESSAGES_TYPE if form == "messages" else pa.string()),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()),
+                                  ("question", pa.string())])),
+    ])
+
+
+ROW_SCHEMA = row_schema("messages")
 
 
 def make_row(source: str, question: str, answer: str, ground_truth: str, split: str, index: int,
@@ -82,16 +89,16 @@ def arithmetic_rows(num_train: int, num_eval: int, max_operand: int, operations:
 _GSM8K_ANSWER = re.compile(r"####\s*(-?[0-9.,]+)")
 
 
-def gsm8k_rows(path: str | Path, split: str) -> list[dict]:
+def gsm8k_rows(path: str | Path, split: str, key: str = "data.gsm8k_path") -> list[dict]:
     """Import a local GSM8K file (`question` / `answer` columns, jsonl or parquet) into the row format.
 
     Ground truth is the text after `#### ` with commas removed. A row whose answer has no `#### N` keeps an
     empty ground truth, so cleaning quarantines it with a reason instead of dropping it here.
     """
-    df = read_rows(path, key="data.gsm8k_path")
+    df = read_rows(path, key=key)
     missing = {"question", "answer"} - set(df.columns)
     if missing:
-        raise DataError(f"data.gsm8k_path={path}: columns {sorted(missing)} missing; a GSM8K file has "
+        raise DataError(f"{key}={path}: columns {sorted(missing)} missing; a GSM8K file has "
                         "`question` and `answer`")
     out = []
     for i, rec in enumerate(df.to_dict("records")):
@@ -103,18 +110,22 @@ def gsm8k_rows(path: str | Path, split: str) -> list[dict]:
     return out
 
 
-def prompt_text(prompt) -> str | None:
-    """The user-visible text of a prompt (chat messages or a plain string), or None if malformed."""
-    if isinstance(prompt, str):
-        return prompt
-    try:
-        parts = [m["content"] for m in list(prompt)]
-    except (TypeError, KeyError):
-        return None
-    if not all(isinstance(p, str) for p in parts):
-        return None
-    return "".join(parts)
-
-
-def as_frame(rows: list[dict]) -> pd.DataFrame:
-    return pd.DataFrame(rows)
+def gsm8k_splits(train_path: str | Path, test_path: str | Path | None, num_eval: int,
+                 seed: int) -> tuple[list[dict], list[dict]]:
+    """Disjoint train and test rows from GSM8K files: the test file when given (data.gsm8k_test_path), else a
+    seeded held-out split of `num_eval` questions from the train file. A question in both files is left for
+    the clean stage, which quarantines the held-out copy (`in_train`): no accuracy is measured on trained rows."""
+    train = gsm8k_rows(train_path, "train")
+    if test_path:
+        test = gsm8k_rows(test_path, "test", key="data.gsm8k_test_path")
+    else:
+        if num_eval >= len(train):
+            raise DataError(f"data.gsm8k_path={train_path} has {len(train)} rows, too few to hold out "
+                            f"data.num_eval={num_eval} for testing; lower data.num_eval or give "
+                            "data.gsm8k_test_path")
+        order = list(range(len(train)))
+        random.Random(seed).shuffle(order)
+        held = set(order[:num_eval])
+        test = [{**r, "extra_info": {**r["extra_info"], "split": "test"}} for i, r in enumerate(train) if i in held]
+        train = [r for i, r in enumerate(train) if i not in held]
+    return train, test

@@ -11,7 +11,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from components.errors import DataError
+from components.errors import DataError, OutputError
 
 
 def read_rows(path: str | Path, key: str = "data path") -> pd.DataFrame:
@@ -29,18 +29,26 @@ def read_rows(path: str | Path, key: str = "data path") -> pd.DataFrame:
 
 
 def write_atomic(path: str | Path, write) -> Path:
-    """Call write(tmp_path), fsync, then rename over `path`: readers never see a partial file."""
+    """Call write(tmp_path), fsync, then rename over `path`: readers never see a partial file. A failure of
+    the disk (full, read-only, no permission) is an OutputError naming `path`; the previous file stays."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = None
     try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+        os.close(fd)
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, p)
+    except OSError as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise OutputError(f"cannot write {p}: {exc.strerror or exc} (errno {exc.errno}). Free space or fix the "
+                          "permissions there, or point the output elsewhere; the previous file is unchanged.") from exc
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
     dir_fd = os.open(p.parent, os.O_RDONLY)
     try:

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from components.data.prompts import PromptSettings, render_prompt
 from components.errors import ConfigError
-from components.models.loading import DTYPES, load_tokenizer
+from components.models.loading import DTYPES, check_model_dir, load_tokenizer
 
 
 def load_reward_model(path: str, dtype: str = "float32", key: str = "reward_model.path"):
@@ -23,7 +24,9 @@ def load_reward_model(path: str, dtype: str = "float32", key: str = "reward_mode
 
     tokenizer = load_tokenizer(path, key)
     tokenizer.padding_side = "right"  # positions start at 0 for every text; the score is read at its end
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+    check_model_dir(path, key)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True,
+                                                               use_safetensors=True)
     if model.config.num_labels != 1:
         raise ConfigError(f"{key}={path}: a reward model has one output (num_labels=1), this one has "
                           f"{model.config.num_labels}. Point it at a reward model.")
@@ -69,12 +72,14 @@ def wrong_answers(truth: int, rng: random.Random) -> list[str]:
             f"{truth}"]
 
 
-def arith_preference_pairs(rows: list[dict], tokenizer, seed: int, per_row: int = 2) -> list[tuple[str, str, str]]:
-    """(prompt text, chosen, rejected): the right answer against `per_row` wrong ones of different kinds."""
+def arith_preference_pairs(rows: list[dict], tokenizer, seed: int, per_row: int = 2,
+                           settings: PromptSettings = PromptSettings()) -> list[tuple[str, str, str]]:
+    """(prompt text as the policy sees it, chosen, rejected): the right answer against `per_row` wrong ones of
+    different kinds."""
     rng = random.Random(seed)
     pairs = []
     for row in rows:
-        prompt = tokenizer.apply_chat_template(list(row["prompt"]), add_generation_prompt=True, tokenize=False)
+        prompt = render_prompt(tokenizer, row["prompt"], settings)
         truth = int(row["reward_model"]["ground_truth"])
         for rejected in rng.sample(wrong_answers(truth, rng), per_row):
             pairs.append((prompt, f"#### {truth}", rejected))
@@ -88,11 +93,14 @@ def train_reward_model(init_path: str, pairs: list[tuple[str, str, str]], out: s
     from transformers import AutoModelForSequenceClassification
 
     from components.models.loading import save_pretrained
+    from components.outputs import REWARD_MODEL
 
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(init_path, "reward_model.init_path")
     tokenizer.padding_side = "right"
-    model = AutoModelForSequenceClassification.from_pretrained(init_path, num_labels=1, local_files_only=True)
+    check_model_dir(init_path, "sft.output_dir")
+    model = AutoModelForSequenceClassification.from_pretrained(init_path, num_labels=1, local_files_only=True,
+                                                               use_safetensors=True)
     model.config.pad_token_id = tokenizer.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
@@ -114,7 +122,7 @@ def train_reward_model(init_path: str, pairs: list[tuple[str, str, str]], out: s
         if on_step:
             on_step(step, float(loss))
     model.eval()
-    save_pretrained(model, tokenizer, out)
+    save_pretrained(model, tokenizer, out, kind=REWARD_MODEL)
     return {"loss": float(loss), "pair_accuracy": pair_accuracy(model, tokenizer, pairs)}
 
 

@@ -11,7 +11,8 @@ import torch
 from components.batch import Batch
 from components.models.loading import load_tokenizer
 from components.rollout.completions import EngineOptions
-from components.rl import encode_prompts, rollout_batch
+from components.data.prompts import PromptSettings, encode_prompts
+from components.rl import rollout_batch
 from components.rollout.base import SamplingParams, make_engine
 from components.rollout.multi_turn import MultiTurnSettings, make_tools, multi_turn_generate
 
@@ -19,11 +20,13 @@ from components.rollout.multi_turn import MultiTurnSettings, make_tools, multi_t
 class RolloutWorker:
     def __init__(self, model_path: str, engine_type: str = "hf", options: EngineOptions | None = None,
                  num_threads: int = 2, key: str = "actor.model.path", model=None,
-                 multi_turn: MultiTurnSettings | None = None):
+                 multi_turn: MultiTurnSettings | None = None, prompts: PromptSettings | None = None):
         """`model`: sample with this module (a colocated policy's own) instead of loading a copy.
-        `multi_turn`: samples may call tools between turns (components/rollout/multi_turn.py)."""
+        `multi_turn`: samples may call tools between turns (components/rollout/multi_turn.py). `prompts`: how a
+        row's prompt becomes token ids (data.apply_chat_template), the same as in SFT."""
         torch.set_num_threads(num_threads)
         self.tokenizer = load_tokenizer(model_path, key)
+        self.prompts = prompts or PromptSettings()
         self.engine = make_engine(engine_type, model_path, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
                                   options or EngineOptions(dtype="float32"), model=model, key=key)
         self.multi_turn = multi_turn
@@ -62,7 +65,8 @@ class RolloutWorker:
                                f"the policy is at {expect_version}: sync weights before sampling")
         start = time.perf_counter()
         self.engine.wake()
-        prompt_ids = encode_prompts(self.tokenizer, rows, [t.schema for t in self.tools.values()])
+        prompt_ids = encode_prompts(self.tokenizer, [r["prompt"] for r in rows], self.prompts,
+                                    [t.schema for t in self.tools.values()])
         if self.multi_turn:
             mt = multi_turn_generate(self.engine, self.tokenizer, prompt_ids, params, seed, self.tools,
                                      self.multi_turn.max_turns, self.multi_turn.max_tool_chars)
@@ -87,7 +91,7 @@ class RolloutWorker:
         return decode_responses(self.tokenizer, batch)
 
     def evaluate(self, rows: list[dict], reward_cfg, k: int, max_new_tokens: int, seed: int,
-                 temperature: float = 1.0) -> dict[str, float]:
+                 temperature: float = 1.0, scorers: dict | None = None) -> dict[str, float]:
         from components.evaluation import evaluate
 
-        return evaluate(self, rows, reward_cfg, k, max_new_tokens, seed, temperature)
+        return evaluate(self, rows, reward_cfg, k, max_new_tokens, seed, temperature, scorers=scorers)

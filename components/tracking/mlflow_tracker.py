@@ -43,7 +43,8 @@ def setup(experiment: str, root: Path = PROJECT_ROOT) -> str:
     """Point MLflow at the tracking URI and make sure the experiment exists; returns its id."""
     uri = default_tracking_uri(root)
     mlflow.set_tracking_uri(uri)
-    client = MlflowClient(uri)
+    mlflow.set_registry_uri(uri)
+    client = MlflowClient(uri, registry_uri=uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is not None:
         return exp.experiment_id
@@ -57,15 +58,42 @@ class Tracker:
     """One MLflow run: params, tags, per-step metrics (each step once), artifacts."""
 
     def __init__(self, experiment: str, run_name: str, run_id: str | None = None, root: Path = PROJECT_ROOT):
+        """A new run, or (run_id) the run a resumed training continues. A run_id this tracking store does not
+        hold (a fresh MLFLOW_TRACKING_URI) starts a new run: `resumed` says which happened."""
         self.experiment_id = setup(experiment, root)
-        self.client = MlflowClient(default_tracking_uri(root))
-        if run_id is None:
-            run_id = self.client.create_run(self.experiment_id, run_name=run_name).info.run_id
-        else:
+        uri = default_tracking_uri(root)
+        self.client = MlflowClient(uri, registry_uri=uri)
+        self.resumed = run_id is not None and self._exists(run_id)
+        if self.resumed:
             self.client.update_run(run_id, status="RUNNING")
+        else:
+            run_id = self.client.create_run(self.experiment_id, run_name=run_name).info.run_id
         self.run_id = run_id
         self._logged = self._already_logged()
         self._pending: list = []  # MLflow RunOperations of metrics not yet known to be stored
+
+    def _exists(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+        except MlflowException:
+            return False
+        return True
+
+    def log_model(self, local_dir: str | Path, name: str) -> str:
+        """A model directory as an MLflow logged model of this run: its files are copied to the model's own
+        artifact location (models/<id>/artifacts), which no later run writes, so a registered version that
+        points at it never changes. Returns the model id."""
+        model = self.client.create_logged_model(self.experiment_id, name=name, source_run_id=self.run_id,
+                                                model_type="transformers")
+        try:
+            self.client.log_model_artifacts(model.model_id, str(local_dir))
+        except BaseException:
+            self.client.finalize_logged_model(model.model_id, "FAILED")
+            raise
+        self.client.finalize_logged_model(model.model_id, "READY")
+        return model.model_id
 
     def _already_logged(self) -> set[tuple[str, int]]:
         run = self.client.get_run(self.run_id)
@@ -106,13 +134,14 @@ class Tracker:
         for op in pending:
             op.wait()
 
-    def log_summary(self, metrics: dict[str, float]) -> None:
-        """Metrics outside the per-iteration series (final evaluations), logged at step 0 of their own names."""
+    def log_summary(self, metrics: dict[str, float], model_id: str | None = None) -> None:
+        """Metrics outside the per-iteration series (final evaluations), logged at step 0 of their own names;
+        with `model_id`, linked to that logged model."""
         from mlflow.entities import Metric
         import time
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(metric_name(k), float(v), now, 0)
+        self.client.log_batch(self.run_id, metrics=[Metric(metric_name(k), float(v), now, 0, model_id=model_id)
                                                     for k, v in metrics.items()])
 
     def log_artifacts(self, local_dir: str | Path, artifact_path: str) -> None:

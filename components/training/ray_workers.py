@@ -11,6 +11,7 @@ import torch
 
 from components.batch import Batch
 from components.config import Config
+from components.data.prompts import PromptSettings
 from components.rollout.completions import EngineOptions
 from components.rollout.multi_turn import MultiTurnSettings
 from components.rollout.pool import EnginePool
@@ -224,11 +225,11 @@ def start_workers(cfg: Config) -> Workers:
         pids["reference"] = [ray.get(reference.pid.remote())]
     reward_model = None
     if cfg.reward_model.path:
-        from components.models.loading import _check_dir
+        from components.models.loading import check_model_dir
         from components.rewards.reward_model import RewardModelScorer
 
         rm = cfg.reward_model
-        _check_dir(rm.path, "reward_model.path")  # a clear error here, not an actor that fails to start
+        check_model_dir(rm.path, "reward_model.path")  # a clear error here, not an actor that fails to start
         reward_model = ray.remote(num_cpus=0, max_restarts=3)(RewardModelScorer).remote(
             rm.path, rm.dtype, rm.batch_size, cfg.trainer.num_threads)
         pids["reward_model"] = [ray.get(reward_model.pid.remote())]
@@ -247,7 +248,7 @@ def start_engine(cfg: Config):
     cpus = 1.0 / e.num_engines if e.type == "hf" else 1.0
     return ray.remote(num_cpus=cpus, num_gpus=gpus, max_restarts=3)(RolloutWorker).remote(
         cfg.actor.model.path, e.type, EngineOptions.from_config(cfg), cfg.trainer.num_threads,
-        multi_turn=MultiTurnSettings.from_config(cfg))
+        multi_turn=MultiTurnSettings.from_config(cfg), prompts=PromptSettings.from_config(cfg))
 
 
 def stop_workers(workers: Workers) -> None:

@@ -9,6 +9,8 @@ from typing import Callable
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from components.data.prompts import PromptSettings, encode_prompt
+
 
 # a tool's output inside an answer (multi-turn trajectories): seen by the model, never a training target
 _TOOL_OUTPUT = re.compile(r"(<tool_response>.*?</tool_response>)", re.S)
@@ -21,19 +23,19 @@ class SFTExample:
     answer_mask: list[int] | None = None  # 1 = a target token; None = all of them
 
 
-def encode_examples(tokenizer: PreTrainedTokenizerBase, prompts: list[list[dict]], answers: list[str]
-                    ) -> list[SFTExample]:
-    """Prompt through the chat template, answer + EOS; `<tool_response>...</tool_response>` spans of an
-    answer (a tool-calling trajectory) are tokenized on their own and masked out of the loss."""
+def encode_examples(tokenizer: PreTrainedTokenizerBase, prompts: list, answers: list[str],
+                    settings: PromptSettings = PromptSettings()) -> list[SFTExample]:
+    """Prompt as the rollout engine sees it (components.data.prompts), answer + EOS;
+    `<tool_response>...</tool_response>` spans of an answer (a tool-calling trajectory) are tokenized on their
+    own and masked out of the loss."""
     out = []
-    for messages, answer in zip(prompts, answers):
-        p = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    for prompt, answer in zip(prompts, answers):
         ids, mask = [], []
         for k, part in enumerate(_TOOL_OUTPUT.split(answer)):
             part_ids = tokenizer(part, add_special_tokens=False)["input_ids"] if part else []
             ids += part_ids
             mask += [k % 2 == 0] * len(part_ids)  # odd parts are the tool outputs
-        out.append(SFTExample(tokenizer(p, add_special_tokens=False)["input_ids"], ids + [tokenizer.eos_token_id],
+        out.append(SFTExample(encode_prompt(tokenizer, prompt, settings), ids + [tokenizer.eos_token_id],
                               [int(m) for m in mask] + [1] if not all(mask) else None))
     return out
 

@@ -18,6 +18,7 @@ from components.batch import Batch
 from components.config.schema import Config
 from components.errors import CheckpointError
 from components.models.loading import load_model, load_tokenizer, save_pretrained
+from components.outputs import MODEL
 from components.tracking.checkpoints import load_optimizer, save_optimizer
 from components.training import distributed as D
 from components.training.actor import PolicyTrainer, UpdateSettings
@@ -193,11 +194,12 @@ class PolicyWorker:
         and their version. Every rank must be called."""
         return D.full_model_state(self.model), self.version
 
-    def save_model(self, out: str) -> str:
-        """The policy in Hugging Face format (rank 0 writes it; every rank must be called)."""
+    def save_model(self, out: str, kind: str = MODEL) -> str:
+        """The policy in Hugging Face format (rank 0 writes it; every rank must be called), marked as an output
+        of `kind` (only a directory of that kind is ever replaced)."""
         state = D.full_model_state(self.model)
         if self.rank == 0:
-            save_pretrained(D.unwrap(self.model), self.tokenizer, out, state_dict=state)
+            save_pretrained(D.unwrap(self.model), self.tokenizer, out, state_dict=state, kind=kind)
         return out
 
     def _trained_parts(self) -> list[tuple[str, "PolicyTrainer | CriticTrainer", str]]:
@@ -285,6 +287,7 @@ class ColocatedWorker(PolicyWorker):
     process (and one copy of the model) fewer."""
 
     def setup(self, spec: D.GroupSpec) -> int:
+        from components.data.prompts import PromptSettings
         from components.rollout.completions import EngineOptions
         from components.rollout.multi_turn import MultiTurnSettings
         from components.rollout.worker import RolloutWorker
@@ -293,7 +296,8 @@ class ColocatedWorker(PolicyWorker):
         m = self.cfg.actor.model
         self.rollout = RolloutWorker(m.path, self.cfg.engine.type, EngineOptions.from_config(self.cfg),
                                      self.cfg.trainer.num_threads, model=D.unwrap(self.model),
-                                     multi_turn=MultiTurnSettings.from_config(self.cfg))
+                                     multi_turn=MultiTurnSettings.from_config(self.cfg),
+                                     prompts=PromptSettings.from_config(self.cfg))
         return pid
 
     def generate(self, *args, **kwargs) -> Batch:

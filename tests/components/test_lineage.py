@@ -34,4 +34,7 @@ def test_a_new_sft_model_is_a_new_run(tmp_path):
     cfg = load_config(None, ["trainer.run_dir=/", f"actor.model.path={sft}", f"data.train_path={data}"])
     before = run_fingerprint(cfg)
     (sft / "config.json").write_text('{"vocab_size": 40}')
-    assert run_fingerprint(cfg) != before
+    after = run_fingerprint(cfg)
+    assert after.digest != before.digest
+    assert after.differences(before.state()) == [f"actor.model.path: {before.inputs['actor.model.path']!r} -> "
+                                                 f"{after.inputs['actor.model.path']!r}"]

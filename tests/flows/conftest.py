@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,16 @@ def sft_ready(root, iterations: int = 4, extra: tuple[str, ...] = ()):
         yield ov
     finally:
         os.environ.pop("MLFLOW_TRACKING_URI")
+
+
+def run_dir(out) -> Path | None:
+    """The run directory a training in output directory `out` writes (runs/<id>); None before there is one."""
+    found = sorted((Path(out) / "runs").glob("*"))
+    return found[-1] if found else None
+
+
+def latest_checkpoint(out) -> str | None:
+    """The name `latest` gives in the run directory of `out` (iter_NNNNNN), or None."""
+    found = run_dir(out)
+    pointer = found / "checkpoints" / "latest" if found else None
+    return pointer.read_text().strip() if pointer is not None and pointer.is_file() else None

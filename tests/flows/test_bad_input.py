@@ -38,12 +38,12 @@ def test_reinforge_command_help_and_unknown_subcommand(capsys):
     assert exit_.value.code == 0 and "overrides" in capsys.readouterr().out
 
 
-def test_missing_data_file_names_it(tmp_path):
+def test_missing_data_file_names_it(tmp_path, tokenizer):
     from tasks.data import load_datasets
 
     cfg = load_config("configs/arith_grpo.yaml", [f"data.train_path={tmp_path}/missing.parquet", "trainer.run_dir=/"])
     with pytest.raises(DataError, match=r"data\.train_path: .*missing\.parquet does not exist"):
-        load_datasets.fn(cfg)
+        load_datasets.fn(cfg, tokenizer)
 
 
 def test_evaluate_missing_model_dir_names_the_key(tmp_path, prefect_harness, capsys):
@@ -69,7 +69,8 @@ def test_malformed_dataset_is_quarantined_and_clean_output_is_whole(tmp_path):
     reports = clean_data.fn(cfg)
     assert (reports[0]["input_rows"], reports[0]["kept"], reports[0]["quarantined"]) == (33, 30, 3)
     q = pq.read_table(tmp_path / "q" / "train.parquet").to_pylist()
-    assert sorted(r["reason"].split(":")[0] for r in q) == ["duplicate of row 2", "schema", "schema"]
+    assert sorted((r["reason"], r["column"]) for r in q) == [("duplicate", "prompt"), ("empty", "prompt"),
+                                                             ("empty", "reward_model.ground_truth")]
     assert len(pq.read_table(tmp_path / "c" / "train.parquet")) == 30
     assert not list((tmp_path / "c").glob(".*.tmp"))
 

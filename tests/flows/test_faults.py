@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from components.models.loading import load_model
 from components.tracking import checkpoints
-from tests.flows.conftest import sft_ready
+from tests.flows.conftest import latest_checkpoint, run_dir, sft_ready
 
 pytestmark = pytest.mark.slow
 
@@ -46,10 +46,10 @@ def _same_final_model(a: dict, b: dict) -> bool:
     return ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
 
 
-def _kill_when(proc: subprocess.Popen, pointer: Path, name: str, timeout: float = 600) -> None:
+def _kill_when(proc: subprocess.Popen, out: Path, name: str, timeout: float = 600) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if pointer.is_file() and pointer.read_text().strip() == name:
+        if latest_checkpoint(out) == name:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(60)
             return
@@ -72,12 +72,12 @@ def test_sigkilled_run_resumes_to_the_same_state(start, whole, prefect_api):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_API_URL": prefect_api}  # the tests' one server
     proc = subprocess.Popen(cmd, cwd=os.getcwd(), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    _kill_when(proc, out / "checkpoints" / "latest", "iter_000002")
-    killed_run = json.loads((out / "checkpoints" / "iter_000002" / "state.json").read_text())["mlflow_run_id"]
+    _kill_when(proc, out, "iter_000002")
+    killed_run = json.loads((run_dir(out) / "checkpoints" / "iter_000002" / "state.json").read_text())["mlflow_run_id"]
     resumed = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={out}"])
 
     assert _same_final_model(whole, resumed)
-    last_a, last_b = (Path(p) / "checkpoints" / f"iter_{ITERATIONS:06d}" for p in (root / "whole", out))
+    last_a, last_b = (run_dir(p) / "checkpoints" / f"iter_{ITERATIONS:06d}" for p in (root / "whole", out))
     for name in ("optimizer.safetensors", "worker.safetensors"):  # optimizer moments and torch RNG state
         ta, tb = load_file(last_a / name), load_file(last_b / name)
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), name
@@ -115,7 +115,7 @@ def test_disk_full_during_a_save_fails_the_run_and_keeps_the_previous_checkpoint
     monkeypatch.setattr(checkpoints, "_fsync_tree", full_disk)
     state = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={root}/full"], return_state=True)
     assert state.is_failed(), state
-    ckroot = root / "full" / "checkpoints"
+    ckroot = run_dir(root / "full") / "checkpoints"
     assert (ckroot / "latest").read_text().strip() == "iter_000001"
     checkpoints.verify(ckroot / "iter_000001")
     assert not (ckroot / "iter_000002").exists() and not list(ckroot.glob(".tmp_*"))
@@ -140,7 +140,6 @@ def test_rollout_and_policy_workers_killed_mid_run(start, whole, monkeypatch):
 
     root, ov = start
     out = root / "workers_killed"
-    pointer = out / "checkpoints" / "latest"
     scored: list[int] = []
     real_add_rewards = rl.add_rewards
 
@@ -155,7 +154,7 @@ def test_rollout_and_policy_workers_killed_mid_run(start, whole, monkeypatch):
         for name, after, title in (("rollout", "iter_000001", "ray::RolloutWorker"),
                                    ("policy", "iter_000002", "ray::PolicyWorker")):
             deadline = time.time() + 300
-            while time.time() < deadline and not (pointer.is_file() and pointer.read_text().strip() == after):
+            while time.time() < deadline and latest_checkpoint(out) != after:
                 time.sleep(0.02)
             pids = _pids(title)
             for pid in pids:
@@ -182,12 +181,11 @@ def test_two_engines_with_health_checks_survive_one_killed(start):
 
     root, ov = start
     out = root / "engine_killed"
-    pointer = out / "checkpoints" / "latest"
     killed: list[int] = []
 
     def killer():
         deadline = time.time() + 300
-        while time.time() < deadline and not (pointer.is_file() and pointer.read_text().strip() == "iter_000001"):
+        while time.time() < deadline and latest_checkpoint(out) != "iter_000001":
             time.sleep(0.02)
         pids = _pids("ray::RolloutWorker") or _pids("ray::Slow")
         if pids:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.flows.conftest import small_overrides
+from tests.flows.conftest import latest_checkpoint, run_dir, small_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -25,9 +25,8 @@ def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect
     cmd = [sys.executable, "-m", "flows.nightly", "--config", "configs/arith_grpo.yaml", *ov]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True) for _ in range(2)]
-    ckpts = tmp_path / "grpo" / "checkpoints"
     deadline, loser = time.time() + 600, None
-    while time.time() < deadline and not (ckpts / "latest").is_file():
+    while time.time() < deadline and latest_checkpoint(tmp_path / "grpo") is None:
         for p in procs:
             if p.poll() is not None and loser is None:
                 loser = p
@@ -38,6 +37,7 @@ def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect
     winner = next(p for p in procs if p is not loser)
     os.killpg(winner.pid, signal.SIGKILL)  # the nightly that trains crashes mid-training
     winner.wait(60)
+    ckpts = run_dir(tmp_path / "grpo") / "checkpoints"
     killed_at = (ckpts / "latest").read_text().strip()
     run_id = json.loads((ckpts / killed_at / "state.json").read_text())["mlflow_run_id"]
     data_files = [tmp_path / "raw" / "train.parquet", tmp_path / "clean" / "train.parquet"]
@@ -48,5 +48,9 @@ def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect
     result = json.loads(res.stdout[res.stdout.index("{"):])
     assert result["train"]["run_id"] == run_id  # the crashed run was continued, not started over
     assert (ckpts / "latest").read_text().strip() == "iter_000006"
+    # its model is version 1 of the registered model, the champion, pointing at the logged model (never at files
+    # a later nightly could rewrite)
+    assert result["registry"]["version"] == "1" and result["registry"]["alias"] == "champion"
+    assert result["registry"]["model_id"] == result["train"]["model_id"]
     # the finished data stages came back from Prefect's persisted results: their files were not rewritten
     assert [f.stat().st_mtime_ns for f in data_files] == written

@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from components.models.loading import load_model
 from components.tracking import checkpoints
-from tests.flows.conftest import sft_ready, small_overrides
+from tests.flows.conftest import run_dir, sft_ready, small_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -56,18 +56,36 @@ def test_each_iteration_logged_exactly_once(pipeline_run):
     assert len(tags["dvc.train_md5"]) == 32 and tags["git_commit"]
     assert "eval/final/acc" in run.data.metrics and "eval/sft/acc" in run.data.metrics
     artifacts = {a.path for a in client.list_artifacts(info["run_id"])}
-    assert {"final_model", "checkpoints", "reward_curve.png"} <= artifacts
+    assert {"checkpoints", "reward_curve.png", "run.json"} <= artifacts
+    model = client.get_logged_model(info["model_id"])  # the final model: a logged model of its own
+    assert model.source_run_id == info["run_id"] and str(model.status) in ("READY", "LoggedModelStatus.READY")
+    assert {m.key for m in model.metrics or []} >= {"eval/acc", "eval/n"}  # the evaluation of that exact model
 
 
 def test_checkpoint_reloads_into_an_equal_model(pipeline_run):
     root, info, _ = pipeline_run
-    ckpt = checkpoints.latest(root / "grpo" / "checkpoints")
+    ckpt = checkpoints.latest(run_dir(root / "grpo") / "checkpoints")
     assert ckpt.name == f"iter_{ITERATIONS:06d}"
     state = json.loads((ckpt / "state.json").read_text())
     assert state["weights_version"] == ITERATIONS and state["mlflow_run_id"] == info["run_id"]
     a = load_model(ckpt / "model").state_dict()
     b = load_model(info["final_model"]).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_every_model_directory_of_the_run_reloads_the_tokenizer_it_was_trained_with(pipeline_run):
+    """SFT trained with the in-memory character tokenizer; the SFT model, each checkpoint and the final model
+    must give back exactly its ids (spaces and newlines included), or GRPO sees other text than SFT did."""
+    from components.models import build_char_tokenizer, load_tokenizer
+    from tests.components.models.test_loading import CORPUS
+
+    root, info, _ = pipeline_run
+    trained = build_char_tokenizer()
+    dirs = [root / "sft", info["final_model"], *(c / "model" for c in (run_dir(root / "grpo") / "checkpoints").glob("iter_*"))]
+    for d in dirs:
+        loaded = load_tokenizer(d)
+        assert [loaded(t, add_special_tokens=False)["input_ids"] for t in CORPUS] == \
+            [trained(t, add_special_tokens=False)["input_ids"] for t in CORPUS], d
 
 
 def test_eval_json_has_both_accuracies(pipeline_run):

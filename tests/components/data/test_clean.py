@@ -1,4 +1,4 @@
-"""Cleaning: bad rows are quarantined with a reason, never dropped; output is deterministic."""
+"""Cleaning: bad rows are quarantined with their true reason, never dropped; output is deterministic."""
 
 import hashlib
 import json
@@ -9,34 +9,106 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from components.data.clean import clean_file, clean_rows
-from components.data.formats import ROW_SCHEMA, arithmetic_rows, gsm8k_rows, make_row
+from components.data.clean import RowRules, clean_file, clean_rows, validate_file
+from components.data.formats import ROW_SCHEMA, arithmetic_rows, gsm8k_rows, gsm8k_splits, make_row
 from components.data.io import write_parquet
-from components.errors import DataError
+from components.errors import ConfigError, DataError
+from components.models import build_char_tokenizer
 
-COUNT = len  # one token per character, like the tiny tokenizer
+TOK = build_char_tokenizer()  # one token per printable ASCII character
+RULES = RowRules(max_prompt_len=16)
 
 
 def good(i, q=None):
     return make_row("arith", q or f"{i}+1=", f"#### {i + 1}", str(i + 1), "train", i)
 
 
-def test_malformed_rows_are_quarantined_with_reasons():
+def reasons_of(quarantined):
+    return {q["source_row"]: (q["reason"], q["column"]) for q in quarantined}
+
+
+def test_malformed_rows_are_quarantined_with_their_true_reason():
     rows = [good(1), good(2), good(1),  # a duplicate of row 0
-            {**good(3), "prompt": [{"role": "user", "content": "   "}]},  # empty prompt
-            {**good(4), "reward_model": {"style": "rule", "ground_truth": None}},  # missing ground truth
-            {**good(5), "data_source": 7},  # wrong type
-            good(6, "9" * 40)]  # over-long prompt
-    kept, quarantined = clean_rows(pd.DataFrame(rows), COUNT, 16, "x.parquet")
+            {**good(3), "prompt": [{"role": "user", "content": "   "}]},
+            {**good(4), "reward_model": {"style": "rule", "ground_truth": None}},
+            {**good(5), "data_source": 7},
+            good(6, "9" * 40),
+            {**good(7), "reward_model": {"style": "rule", "ground_truth": 3.5}},
+            {**good(8), "prompt": 12},
+            {**good(9), "prompt": []}]
+    kept, quarantined = clean_rows(pd.DataFrame(rows), TOK, RULES, "x.parquet")
     assert [r["extra_info"]["index"] for r in kept] == [1, 2]
-    reasons = {q["source_row"]: q["reason"] for q in quarantined}
-    assert reasons[2] == "duplicate of row 0"
-    assert "prompt is empty" in reasons[3]
-    assert "ground_truth" in reasons[4]
-    assert "data_source" in reasons[5]
-    assert "data.max_prompt_len=16" in reasons[6]
+    assert reasons_of(quarantined) == {
+        2: ("duplicate", "prompt"), 3: ("empty", "prompt"), 4: ("missing", "reward_model.ground_truth"),
+        5: ("wrong_type", "data_source"), 6: ("too_long", "prompt"),
+        7: ("wrong_type", "reward_model.ground_truth"), 8: ("wrong_type", "prompt"), 9: ("empty", "prompt")}
+    detail = {q["source_row"]: q["detail"] for q in quarantined}
+    assert detail[2] == "duplicate of row 0" and "data.max_prompt_len=16" in detail[6]
+    assert "float" in detail[7] and "must be a string" in detail[7]
     assert len(kept) + len(quarantined) == len(rows)
     assert json.loads(quarantined[0]["row_json"])["extra_info"]["index"] == 1
+
+
+def test_unambiguous_types_are_normalised_not_rejected():
+    rows = [{**good(1), "reward_model": {"style": "rule", "ground_truth": 3}},
+            {**good(2), "reward_model": {"ground_truth": {"target": 4, "numbers": [1, 3]}}, "ability": None}]
+    kept, quarantined = clean_rows(pd.DataFrame(rows), TOK, RULES, "x")
+    assert not quarantined
+    assert kept[0]["reward_model"]["ground_truth"] == "3"  # an int ground truth would score 0 against '3'
+    assert json.loads(kept[1]["reward_model"]["ground_truth"]) == {"target": 4, "numbers": [1, 3]}
+    assert kept[1]["ability"] == "" and kept[1]["reward_model"]["style"] == "rule"
+
+
+def test_text_outside_the_vocabulary_is_quarantined_unless_allowed():
+    rows = [good(1, "１+２="), good(2, "1\x00+2="), good(3, "\u200f1+2="), good(4, "1+2=🙂"), good(5, "1+2=")]
+    kept, quarantined = clean_rows(pd.DataFrame(rows), TOK, RULES, "x")
+    assert [r["prompt"][0]["content"] for r in kept] == ["1+2="]
+    assert {q["reason"] for q in quarantined} == {"unk_tokens"}
+    assert "'１'" in quarantined[0]["detail"] and "data.allow_unk=true" in quarantined[0]["detail"]
+    # allowed, the full-width row is kept; its ASCII twin is then a duplicate of it after NFKC normalisation
+    kept, quarantined = clean_rows(pd.DataFrame([rows[0], rows[4]]), TOK, RowRules(16, allow_unk=True), "x")
+    assert len(kept) == 1 and quarantined[0]["detail"] == "duplicate of row 0"
+
+
+def test_plain_string_prompts_are_kept_as_strings():
+    rows = [{"data_source": "arith", "prompt": "12+3=", "reward_model": {"ground_truth": "15"}},
+            {"data_source": "arith", "prompt": [{"role": "user", "content": "1+1="}],
+             "reward_model": {"ground_truth": "2"}}]
+    kept, quarantined = clean_rows(pd.DataFrame(rows), TOK, RULES, "x")
+    assert kept[0]["prompt"] == "12+3=" and kept[0]["extra_info"]["index"] == -1
+    assert reasons_of(quarantined) == {1: ("prompt_form", "prompt")}
+
+
+def test_messages_need_a_chat_template(tmp_path):
+    tok = build_char_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(ConfigError, match=r"data\.apply_chat_template: the tokenizer .* has no chat template.*"
+                                          r"chat messages"):
+        clean_rows(pd.DataFrame([good(1)]), tok, RULES, "x")
+    with pytest.raises(ConfigError, match=r"data\.apply_chat_template=false, but the prompts in x are chat"):
+        clean_rows(pd.DataFrame([good(1)]), TOK, RowRules(16, prompts=_settings(False)), "x")
+    string_rows = pd.DataFrame([{"data_source": "arith", "prompt": "1+1=", "reward_model": {"ground_truth": "2"}}])
+    assert len(clean_rows(string_rows, tok, RULES, "x")[0]) == 1
+    with pytest.raises(ConfigError, match=r"data\.apply_chat_template=true\)"):
+        clean_rows(string_rows, tok, RowRules(16, prompts=_settings(True)), "x")
+
+
+def _settings(value):
+    from components.data.prompts import PromptSettings
+
+    return PromptSettings(value)
+
+
+def test_a_missing_column_is_named():
+    df = pd.DataFrame([{"data_source": "arith", "prompt": "1+1="}])
+    _, quarantined = clean_rows(df, TOK, RULES, "x")
+    assert reasons_of(quarantined) == {0: ("missing_column", "reward_model")}
+
+
+def test_held_out_rows_seen_in_training_are_quarantined():
+    kept, quarantined = clean_rows(pd.DataFrame([good(1), good(2)]), TOK, RULES, "test",
+                                   train_keys={("arith", "1+1=")})
+    assert len(kept) == 1 and reasons_of(quarantined) == {0: ("in_train", "prompt")}
 
 
 def test_clean_file_writes_both_and_is_byte_identical(tmp_path):
@@ -46,24 +118,37 @@ def test_clean_file_writes_both_and_is_byte_identical(tmp_path):
     digests = []
     for run in range(2):
         out = tmp_path / f"run{run}"
-        r = clean_file(src, out / "clean.parquet", out / "q", COUNT, 16)
-        assert (r.input_rows, r.kept, r.quarantined) == (51, 50, 1)
+        r = clean_file(src, out / "clean.parquet", out / "q", TOK, RULES)
+        assert (r.input_rows, r.kept, r.quarantined, r.reasons) == (51, 50, 1, {"duplicate": 1})
         digests.append(hashlib.sha256((out / "clean.parquet").read_bytes()).hexdigest())
         q = pq.read_table(out / "q" / "clean.parquet").to_pylist()
-        assert q[0]["reason"] == "duplicate of row 0"
+        assert q[0]["detail"] == "duplicate of row 0"
     assert digests[0] == digests[1]
 
 
 def test_missing_file_names_it(tmp_path):
     with pytest.raises(DataError, match=r"nope\.parquet does not exist.*reinforge prepare"):
-        clean_file(tmp_path / "nope.parquet", tmp_path / "c.parquet", tmp_path / "q", COUNT, 16)
+        clean_file(tmp_path / "nope.parquet", tmp_path / "c.parquet", tmp_path / "q", TOK, RULES)
 
 
-def test_all_rows_bad_is_an_error_and_writes_no_clean_file(tmp_path):
+def test_all_rows_bad_names_the_quarantine_it_wrote_and_leaves_no_stale_clean_file(tmp_path):
     src = write_parquet([{**good(1), "prompt": [{"role": "user", "content": ""}]}], tmp_path / "raw.parquet")
-    with pytest.raises(DataError, match="all 1 rows were quarantined"):
-        clean_file(src, tmp_path / "c.parquet", tmp_path / "q", COUNT, 16)
+    (tmp_path / "c.parquet").write_text("an older clean file")
+    with pytest.raises(DataError, match=r"all 1 rows were quarantined .* written to .*q/c\.parquet") as err:
+        clean_file(src, tmp_path / "c.parquet", tmp_path / "q", TOK, RULES)
+    assert (tmp_path / "q" / "c.parquet").is_file() and "row 0: prompt is empty" in str(err.value)
+    assert pq.read_table(tmp_path / "q" / "c.parquet").to_pylist()[0]["reason"] == "empty"
     assert not (tmp_path / "c.parquet").exists()
+
+
+def test_validate_file_names_the_file_row_and_column(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"data_source": "arith", "prompt": "1+1=", "reward_model": {"ground_truth": "2"}},
+        {"data_source": "arith", "prompt": "2+2=", "reward_model": {"ground_truth": None}}]))
+    with pytest.raises(DataError, match=r"data\.train_path=.*train\.jsonl: 1 of 2 rows fail validation: row 1, "
+                                        r"column reward_model\.ground_truth: missing"):
+        validate_file(path, "data.train_path", TOK, RULES)
 
 
 def test_gsm8k_import(tmp_path):
@@ -73,8 +158,34 @@ def test_gsm8k_import(tmp_path):
         {"question": "Broken row", "answer": "no final answer"}]))
     rows = gsm8k_rows(p, "train")
     assert rows[0]["reward_model"]["ground_truth"] == "1002" and rows[0]["data_source"] == "openai/gsm8k"
-    kept, quarantined = clean_rows(pd.DataFrame(rows), COUNT, 200, str(p))
-    assert len(kept) == 1 and "ground_truth is empty" in quarantined[0]["reason"]
+    kept, quarantined = clean_rows(pd.DataFrame(rows), TOK, RowRules(200), str(p))
+    assert len(kept) == 1 and reasons_of(quarantined) == {1: ("empty", "reward_model.ground_truth")}
+
+
+def _gsm8k_file(path, questions):
+    path.write_text("\n".join(json.dumps({"question": q, "answer": f"#### {i}"}) for i, q in enumerate(questions)))
+    return path
+
+
+def test_gsm8k_train_and_test_never_overlap(tmp_path):
+    """One file: a seeded held-out split; two files: as given, and the clean stage refuses any shared question."""
+    questions = [f"What is {i} plus {i}?" for i in range(40)]
+    train, test = gsm8k_splits(_gsm8k_file(tmp_path / "train.jsonl", questions), None, 10, seed=0)
+    asked = lambda rows: {r["extra_info"]["question"] for r in rows}  # noqa: E731
+    assert len(test) == 10 and len(train) == 30 and not asked(train) & asked(test)
+    assert gsm8k_splits(tmp_path / "train.jsonl", None, 10, seed=0) == (train, test)  # seeded
+    _gsm8k_file(tmp_path / "test.jsonl", questions[:3] + ["A new question?"])
+    train, test = gsm8k_splits(tmp_path / "train.jsonl", tmp_path / "test.jsonl", 10, seed=0)
+    assert len(train) == 40 and len(test) == 4
+    rules = RowRules(200, allow_unk=True)
+    kept_train, _ = clean_rows(pd.DataFrame(train), TOK, rules, "train")
+    from components.data.clean import dedup_key
+
+    keys = {dedup_key(r["data_source"], r["prompt"]) for r in kept_train}
+    kept_test, quarantined = clean_rows(pd.DataFrame(test), TOK, rules, "test", keys)
+    assert asked(kept_test) == {"A new question?"} and {q["reason"] for q in quarantined} == {"in_train"}
+    with pytest.raises(DataError, match="too few to hold out"):
+        gsm8k_splits(tmp_path / "test.jsonl", None, 10, seed=0)
 
 
 def test_generator_splits_are_disjoint():
@@ -84,7 +195,8 @@ def test_generator_splits_are_disjoint():
         arithmetic_rows(1000, 1000, 5, ["+"], 0)
 
 
-_text = st.one_of(st.text(max_size=30), st.just(""), st.none(), st.integers(), st.binary(max_size=8))
+_text = st.one_of(st.text(max_size=30), st.just(""), st.none(), st.integers(), st.binary(max_size=8),
+                  st.floats(allow_nan=True), st.booleans())
 _row = st.fixed_dictionaries({
     "data_source": st.one_of(st.just("arith"), _text),
     "prompt": st.one_of(st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": _text}), max_size=2),
@@ -98,10 +210,12 @@ _row = st.fixed_dictionaries({
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_row, min_size=1, max_size=12))
 def test_fuzzed_rows_are_kept_or_quarantined_never_lost(rows):
-    kept, quarantined = clean_rows(pd.DataFrame(rows), COUNT, 16, "fuzz")
+    kept, quarantined = clean_rows(pd.DataFrame(rows), TOK, RowRules(16, allow_unk=True), "fuzz")
     assert len(kept) + len(quarantined) == len(rows)
-    assert all(q["reason"] for q in quarantined)
+    assert all(q["reason"] and q["column"] and q["detail"] for q in quarantined)
+    from components.data.prompts import prompt_text
+
     for r in kept:
-        assert "".join(m["content"] for m in r["prompt"]).strip() and r["reward_model"]["ground_truth"].strip()
-    again_kept, again_q = clean_rows(pd.DataFrame(rows), COUNT, 16, "fuzz")
+        assert prompt_text(r["prompt"]).strip() and r["reward_model"]["ground_truth"].strip()
+    again_kept, again_q = clean_rows(pd.DataFrame(rows), TOK, RowRules(16, allow_unk=True), "fuzz")
     assert again_kept == kept and again_q == quarantined

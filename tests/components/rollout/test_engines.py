@@ -219,14 +219,14 @@ def test_vllm_engine_for_real_where_it_runs(vllm_ready, tmp_path, tokenizer):
     """The real vLLM behind our adapter: its log-probs are the policy's own (fp32 forward of the same tokens),
     a seed repeats its samples, and after update_weights both samples and log-probs follow the new weights."""
     from components.models import build_tiny_model, save_pretrained
-    from components.rl import encode_prompts
+    from components.data.prompts import PromptSettings, encode_prompts
     from components.rollout.completions import EngineOptions
     from components.training.logprobs import engine_logprob_gaps
 
     policy = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
                               max_positions=256, seed=0)
     path = save_pretrained(policy, tokenizer, tmp_path / "tiny")
-    ids = encode_prompts(tokenizer, [{"prompt": [{"role": "user", "content": f"{a}+{a}="}]} for a in range(6)])
+    ids = encode_prompts(tokenizer, [[{"role": "user", "content": f"{a}+{a}="}] for a in range(6)], PromptSettings())
     engine = make_engine("vllm", str(path), tokenizer.eos_token_id, tokenizer.pad_token_id,
                          EngineOptions(dtype="float32", max_model_len=4096, enforce_eager=True))
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)

@@ -55,7 +55,7 @@ def test_corruption_is_detected(tmp_path, tokenizer, damage):
 def test_pointer_to_nothing(tmp_path, tokenizer):
     write(tmp_path, 1, tokenizer)
     (tmp_path / "latest").write_text("iter_999999\n")
-    with pytest.raises(CheckpointError, match="no manifest.json"):
+    with pytest.raises(CheckpointError, match="iter_999999: not a checkpoint directory"):
         checkpoints.latest(tmp_path)
 
 
@@ -174,9 +174,83 @@ def test_pickle_payload_in_a_checkpoint_is_refused_and_never_runs(tmp_path, toke
     manifest["files"]["model/pytorch_model.bin"] = hashlib.sha256(payload).hexdigest()
     manifest["files"]["optimizer.safetensors"] = hashlib.sha256(payload).hexdigest()
     (path / "manifest.json").write_text(json.dumps(manifest))
-    checkpoints.verify(path)  # the checksums match, so only the loaders stand between the payload and us
+    # the checksums match, but the manifest lists no weights and a pickle-format file: refused before loading
+    with pytest.raises(CheckpointError, match="model/pytorch_model.bin is a pickle-format file"):
+        checkpoints.verify(path)
     with pytest.raises(Exception):
         checkpoints.load_state(path)
     with pytest.raises(Exception):
         load_model(path / "model", safetensors_only=True)
     assert not marker.exists()
+
+
+# ---- tampering a careless or hostile user tried: each is refused, and resume falls back ------------------------
+
+def _rewrite_manifest(ckpt, change):
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    change(manifest["files"])
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _symlink_in(ckpt, tmp_path):
+    secret = tmp_path / "secret.json"
+    secret.write_text("{}")
+    (ckpt / "worker.json").symlink_to(secret)  # a file outside the checkpoint, listed with its real sha256
+    _rewrite_manifest(ckpt, lambda files: files.update({"worker.json": checkpoints.sha256(secret)}))
+    return "worker.json is a symlink"
+
+
+def _dotdot_entry(ckpt, tmp_path):
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    _rewrite_manifest(ckpt, lambda files: files.update({"../outside.json": checkpoints.sha256(outside)}))
+    return r"names '\.\./outside\.json', which is not a plain path"
+
+
+def _weights_entry_removed(ckpt, tmp_path):
+    _rewrite_manifest(ckpt, lambda files: files.pop("model/model.safetensors"))
+    (ckpt / "model" / "model.safetensors").write_bytes(b"other weights")  # then the weights replaced
+    return r"model/model\.safetensors is not in its manifest\.json"
+
+
+def _truncated_manifest(ckpt, tmp_path):
+    text = (ckpt / "manifest.json").read_text()
+    (ckpt / "manifest.json").write_text(text[: len(text) // 2])
+    return r"manifest\.json is malformed \(JSONDecodeError\)"
+
+
+def _state_missing(ckpt, tmp_path):
+    (ckpt / "state.json").unlink()
+    return "state.json is missing"
+
+
+@pytest.mark.parametrize("tamper", [_symlink_in, _dotdot_entry, _weights_entry_removed, _truncated_manifest,
+                                    _state_missing], ids=lambda f: f.__name__.strip("_"))
+def test_tampering_is_refused_and_resume_falls_back_to_the_last_good_checkpoint(tmp_path, tokenizer, tamper):
+    root = tmp_path / "ckpts"
+    good, _ = write(root, 1, tokenizer, keep=None)
+    bad, _ = write(root, 2, tokenizer, keep=None)
+    message = tamper(bad, tmp_path)
+    with pytest.raises(CheckpointError, match=message):
+        checkpoints.verify(bad)
+    ckpt, passed_over = checkpoints.find_resumable(root)
+    assert ckpt == good and any("iter_000002" in p for p in passed_over), passed_over
+
+
+def test_latest_naming_anything_but_a_sibling_checkpoint_is_ignored(tmp_path, tokenizer):
+    root, other = tmp_path / "ckpts", tmp_path / "other"
+    good, _ = write(root, 1, tokenizer)
+    write(other, 5, tokenizer)
+    (root / "latest").write_text("../other/iter_000005\n")
+    with pytest.raises(CheckpointError, match="does not name a checkpoint of"):
+        checkpoints.latest(root)
+    ckpt, passed_over = checkpoints.find_resumable(root)
+    assert ckpt == good and "does not name a checkpoint" in passed_over[0]
+
+
+def test_pruning_never_removes_the_new_checkpoint_or_a_newer_one(tmp_path, tokenizer):
+    for it in (1, 2, 5):
+        write(tmp_path, it, tokenizer, keep=None)
+    path, _ = write(tmp_path, 3, tokenizer, keep=1)  # resumed from 2 after 5 went bad: 3 is the newest save
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_000003", "iter_000005"]
+    assert checkpoints.latest(tmp_path) == path

@@ -1,43 +1,103 @@
-"""Model registry: a model is registered only if it beats every registered version."""
+"""Model registry: versions are logged models no later run can change; aliases say which version serves."""
+
+import hashlib
 
 import mlflow
+import pytest
 from mlflow.tracking import MlflowClient
 
+from components.models import build_char_tokenizer, save_pretrained
 from components.tracking.mlflow_tracker import Tracker, metric_name
-from components.tracking.registry import register_if_better
+from components.tracking.registry import CHALLENGER, CHAMPION, download_version, register_candidate
+from tests.conftest import make_model
 
 
-def test_register_only_when_better(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/m.db")
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-    runs = []
-    for _ in range(3):
-        t = Tracker("reg-test", "r")
-        t.log_artifacts(tmp_path / "model", "final_model")
-        t.end()
-        runs.append(t.run_id)
-    first = register_if_better("m", runs[0], "final_model", 0.5)
-    worse = register_if_better("m", runs[1], "final_model", 0.4)
-    better = register_if_better("m", runs[2], "final_model", 0.7)
-    assert first["registered"] and not worse["registered"] and "does not beat" in worse["reason"]
-    assert better["registered"] and better["previous_best"] == 0.5
-    versions = MlflowClient(f"sqlite:///{tmp_path}/m.db").search_model_versions("name='m'")
-    assert sorted(v.run_id for v in versions) == sorted([runs[0], runs[2]])
+@pytest.fixture()
+def store(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path}/m.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    yield MlflowClient(uri, registry_uri=uri)
     mlflow.set_tracking_uri(None)
+    mlflow.set_registry_uri(None)
 
 
-def test_steps_are_logged_once_and_names_sanitised(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/m.db")
+def digests(directory) -> dict[str, str]:
+    return {p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def logged(tmp_path, seed: int) -> tuple[str, str]:
+    """A run that saved its final model to run/final and logged it; (run id, model id)."""
+    tok = build_char_tokenizer()
+    final = save_pretrained(make_model(tok, seed=seed), tok, tmp_path / "run" / "final")
+    tracker = Tracker("reg-test", f"r{seed}")
+    model_id = tracker.log_model(final, "final_model")
+    tracker.end()
+    return tracker.run_id, model_id
+
+
+def greedy(path) -> list[str]:
+    from components.rollout.base import SamplingParams
+    from components.rollout.worker import RolloutWorker
+
+    worker = RolloutWorker(str(path))
+    rows = [{"prompt": f"{a}+{a}=", "reward_model": {"ground_truth": str(2 * a)}, "data_source": "arith",
+             "extra_info": {}} for a in range(6)]
+    return worker.decode(worker.generate(rows, SamplingParams(n=1, temperature=0.0, max_new_tokens=6), 0, -1))
+
+
+def test_a_registered_version_never_changes_when_its_run_is_overwritten(tmp_path, store):
+    run_id, model_id = logged(tmp_path, seed=0)
+    registered = digests(tmp_path / "run" / "final")
+    answers = greedy(tmp_path / "run" / "final")
+    v1 = register_candidate("m", model_id, run_id, 0.5, "set-a", measure=lambda v: pytest.fail("not needed"))
+    assert v1["version"] == "1" and v1["alias"] == CHAMPION
+    logged(tmp_path, seed=1)  # a later run (a resumed nightly) writes a new final model in the same place
+    assert digests(tmp_path / "run" / "final") != registered
+    files = download_version("m", "1", tmp_path / "from_registry")
+    assert digests(files) == registered  # the same files (sha256) as at registration
+    assert greedy(files) == answers  # and so the same outputs, so the same accuracy
+    version = store.get_model_version("m", "1")
+    assert version.source == f"models:/{model_id}" and version.tags["eval_acc"] == "0.5"
+
+
+def test_promotion_by_alias_on_the_same_evaluation_set(tmp_path, store):
+    ids = [logged(tmp_path / str(i), seed=i) for i in range(4)]
+    measured = []
+
+    def measure(version):
+        measured.append(version)
+        return 0.55
+
+    register_candidate("m", ids[0][1], ids[0][0], 0.6, "set-a", measure)
+    lost = register_candidate("m", ids[1][1], ids[1][0], 0.58, "set-a", measure)
+    assert lost["alias"] == CHALLENGER and lost["champion_acc"] == 0.6 and not measured  # same set: its figure
+    won = register_candidate("m", ids[2][1], ids[2][0], 0.7, "set-a", measure)
+    assert won["alias"] == CHAMPION and "beats the champion's 0.6000" in won["reason"]
+    other_set = register_candidate("m", ids[3][1], ids[3][0], 0.6, "set-b", measure)
+    # the champion's 0.7 was measured on set-a: it is measured again on set-b (0.55) before deciding
+    assert measured == ["3"] and other_set["alias"] == CHAMPION and other_set["champion_acc_measured_now"]
+    assert str(store.get_model_version_by_alias("m", CHAMPION).version) == "4"
+    assert str(store.get_model_version_by_alias("m", CHALLENGER).version) == "2"
+    assert store.get_model_version("m", "4").tags["decision.champion_acc"] == "0.55"
+
+
+def test_steps_are_logged_once_and_names_sanitised(tmp_path, store):
     t = Tracker("steps", "r")
     assert t.log_metrics({"val/arith/acc_mean@4": 0.5}, 1)
     assert not t.log_metrics({"val/arith/acc_mean@4": 0.9}, 1)  # a second log of step 1 is refused
     t.flush()  # metrics are queued; a run is resumed after its checkpoint, which flushes them first
     resumed = Tracker("steps", "r", run_id=t.run_id)  # a resumed run knows which (metric, step) it has
-    assert not resumed.log_metrics({"val/arith/acc_mean@4": 0.7}, 1)
+    assert resumed.resumed and not resumed.log_metrics({"val/arith/acc_mean@4": 0.7}, 1)
     assert resumed.log_metrics({"x": 1.0}, 1) and resumed.log_metrics({"x": 1.0}, 2)
     assert not resumed.log_metrics({"x": 3.0}, 2)
     resumed.flush()
     hist = resumed.client.get_metric_history(t.run_id, "val/arith/acc_mean_at_4")
     assert [(m.step, m.value) for m in hist] == [(1, 0.5)]
     assert metric_name("a@b:c") == "a_at_b_c"
+
+
+def test_a_run_missing_from_the_tracking_store_starts_a_new_one(tmp_path, store):
+    fresh = Tracker("steps", "r", run_id="0123456789abcdef0123456789abcdef")
+    assert not fresh.resumed and fresh.run_id != "0123456789abcdef0123456789abcdef"
+    assert store.get_run(fresh.run_id).info.status == "RUNNING"

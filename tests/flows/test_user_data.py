@@ -1,0 +1,223 @@
+"""Data and models that this project did not make, as a newcomer brings them: plain-string prompts, a base model
+without a chat template, and the careless inputs that must stop with one line (exit 2) before any worker or
+MLflow run starts."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from components.models import build_char_tokenizer, build_tiny_model, save_pretrained
+from tests.flows.conftest import small_overrides
+
+CONFIG = "configs/arith_grpo.yaml"
+
+
+def base_model(path: Path, hidden: int = 32, template: bool = False) -> Path:
+    """A tiny Qwen2 saved without a chat template, as most base models come."""
+    tok = build_char_tokenizer()
+    if not template:
+        tok.chat_template = None
+    model = build_tiny_model(tok, hidden_size=hidden, num_layers=1, num_heads=2, intermediate_size=64,
+                             max_positions=64, seed=0)
+    return save_pretrained(model, tok, path)
+
+
+def jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def string_rows(count: int, start: int = 0) -> list[dict]:
+    """TRL's standard form: the prompt a plain string; ground truths as ints, as a user's own file has them."""
+    return [{"data_source": "arith", "prompt": f"{a} + {a % 7} =", "reward_model": {"ground_truth": a + a % 7}}
+            for a in range(start, start + count)]
+
+
+@pytest.fixture()
+def user_project(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlruns.db")
+    base_model(tmp_path / "base")
+    jsonl(tmp_path / "train.jsonl", string_rows(24))
+    jsonl(tmp_path / "test.jsonl", string_rows(6, start=40))
+    return tmp_path
+
+
+def overrides(root: Path, *extra: str) -> list[str]:
+    return [f"trainer.run_dir={root}", f"data.train_path={root}/train.jsonl", f"data.eval_path={root}/test.jsonl",
+            f"actor.model.path={root}/base", f"trainer.output_dir={root}/out", f"data.raw_dir={root}/raw",
+            f"data.quarantine_dir={root}/quarantine", f"sft.output_dir={root}/sft", "data.batch_size=4", "engine.n=4",
+            "engine.max_new_tokens=4", "trainer.iterations=2", "trainer.test_interval=2", "trainer.save_interval=2",
+            "trainer.eval_k=2", "trainer.progress=false", "trainer.experiment_name=user", "reward_model.method=flexible",
+            "reward_model.format_score=0.1", *extra]
+
+
+def no_runs(root: Path) -> bool:
+    db = root / "mlruns.db"
+    if not db.is_file():
+        return True
+    client = MlflowClient(f"sqlite:///{db}")
+    return not client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+@pytest.mark.slow
+def test_plain_string_prompts_and_a_base_model_without_template_train_end_to_end(user_project, prefect_harness,
+                                                                                  ray_local):
+    from flows.train import train_flow
+
+    info = train_flow(CONFIG, overrides(user_project))
+    client = MlflowClient(f"sqlite:///{user_project}/mlruns.db")
+    run = client.get_run(info["run_id"])
+    assert run.info.status == "FINISHED"
+    invalid = client.get_metric_history(info["run_id"], "reward/invalid_count")
+    assert [m.step for m in invalid] == [1, 2] and all(m.value == 0 for m in invalid)  # int truths became strings
+    assert "val/acc" in run.data.metrics and Path(info["final_model"], "model.safetensors").is_file()
+
+
+def run_train(argv: list[str], capsys) -> tuple[int, str]:
+    from flows.train import main
+
+    rc = main(["--config", CONFIG, *argv])
+    return rc, capsys.readouterr().err
+
+
+def no_reward_model_column(root: Path) -> list[str]:
+    return [f"data.train_path={jsonl(root / 'bad.jsonl', [{'data_source': 'arith', 'prompt': '1+1='}])}"]
+
+
+def empty_prompt_and_no_ground_truth(root: Path) -> list[str]:
+    bad = {"data_source": "arith", "prompt": "", "reward_model": {"ground_truth": None}}
+    return [f"data.train_path={jsonl(root / 'bad.jsonl', string_rows(2) + [bad])}"]
+
+
+def model_without_weights(root: Path) -> list[str]:
+    (root / "base" / "model.safetensors").unlink()
+    return []
+
+
+def pickle_only_model(root: Path) -> list[str]:
+    (root / "base" / "model.safetensors").rename(root / "base" / "pytorch_model.bin")
+    return []
+
+
+def messages_for_a_model_without_template(root: Path) -> list[str]:
+    row = {"data_source": "arith", "prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}
+    return [f"data.train_path={jsonl(root / 'msgs.jsonl', [row])}"]
+
+
+def checkpoint_of_another_size(root: Path) -> list[str]:
+    from components.tracking import checkpoints
+
+    tok = build_char_tokenizer()
+    wider = build_tiny_model(tok, hidden_size=48, num_layers=1, num_heads=2, intermediate_size=64,
+                             max_positions=64, seed=0)
+    ckpt = checkpoints.save_checkpoint(root / "ckpts", 1, lambda out: save_pretrained(wider, tok, out / "model"),
+                                       {"fingerprint": "another run"})
+    return [f"trainer.resume_mode={ckpt}", "trainer.resume_accept_mismatch=true"]  # past the fingerprint check
+
+
+BAD_INPUTS = {
+    no_reward_model_column: r"data\.train_path=.*bad\.jsonl: 1 of 1 rows fail validation: row 0, column "
+                            r"reward_model: missing_column",
+    empty_prompt_and_no_ground_truth: r"row 2, column prompt: empty",
+    model_without_weights: r"actor\.model\.path=.*base: config\.json is there but no weights",
+    pickle_only_model: r"actor\.model\.path=.*: its weights are only in pickle format \(pytorch_model\.bin\)",
+    messages_for_a_model_without_template: r"data\.apply_chat_template: the tokenizer of .*base has no chat "
+                                           r"template, but the prompts of .*msgs\.jsonl are chat messages",
+    checkpoint_of_another_size: r"iter_000001: its model differs in shape from actor\.model\.path=.*base "
+                                r"\(hidden_size 48 vs 32",
+}
+
+
+@pytest.mark.parametrize("make", list(BAD_INPUTS), ids=lambda f: f.__name__)
+def test_bad_input_stops_with_one_line_before_any_run(user_project, prefect_harness, capsys, make):
+    rc, err = run_train(overrides(user_project) + make(user_project), capsys)
+    assert rc == 2, err
+    assert re.search(BAD_INPUTS[make], err), err
+    assert "Traceback" not in err and err.count("error:") == 1
+    assert no_runs(user_project) and not (user_project / "out").exists()
+
+
+def test_config_mistakes_stop_before_any_flow(tmp_path, capsys):
+    from flows.train import main
+
+    assert main(["actor.model.max_seq_len=4", "data.max_prompt_len=1"]) == 2
+    assert "actor.model.max_seq_len=4 is shorter than" in capsys.readouterr().err
+    bad = tmp_path / "c.yaml"
+    bad.write_bytes(b"trainer:\n  seed: 1\ntrainer:\n  iterations: 2\n")
+    assert main(["--config", str(bad)]) == 2
+    assert f"{bad}: key `trainer` is set twice (line 1 and line 3)" in capsys.readouterr().err
+    bad.write_bytes(b"trainer:\n  seed: \xff\n")
+    assert main(["--config", str(bad)]) == 2
+    assert f"{bad}: line 2, column 9: byte 0xff is not UTF-8" in capsys.readouterr().err
+    assert main(["data.operations=["]) == 2
+    assert "override `data.operations=[`: the value is not valid YAML" in capsys.readouterr().err
+
+
+def test_a_full_disk_during_data_prep_names_the_file(tmp_path, prefect_harness, monkeypatch, capsys):
+    import pyarrow.parquet as pq
+
+    from flows.data import main
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pq, "write_table", full)
+    rc = main(["--step", "prepare", *small_overrides(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"cannot write {tmp_path}/raw/train.parquet: No space left on device (errno 28)" in err
+    assert "Traceback" not in err and not list((tmp_path / "raw").glob("*"))
+
+
+def test_an_all_invalid_dataset_names_the_quarantine_file_it_wrote(tmp_path, prefect_harness, capsys):
+    from components.data.formats import ROW_SCHEMA, make_row
+    from components.data.io import write_parquet
+    from flows.data import main
+
+    raw = tmp_path / "raw"  # small_overrides' data paths
+    write_parquet([make_row("arith", "", "#### 1", "1", "train", 0)], raw / "train.parquet", ROW_SCHEMA)
+    write_parquet([make_row("arith", "1+1=", "#### 2", "2", "test", 0)], raw / "test.parquet", ROW_SCHEMA)
+    stale = tmp_path / "clean" / "train.parquet"
+    stale.parent.mkdir()
+    stale.write_text("yesterday's clean file")
+    rc = main(["--step", "clean", *small_overrides(tmp_path), f"data.quarantine_dir={tmp_path}/q"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"written to {tmp_path}/q/train.parquet" in err and "row 0: prompt is empty" in err
+    assert (tmp_path / "q" / "train.parquet").is_file() and not stale.exists()
+
+
+@pytest.mark.slow
+def test_the_cli_prints_one_line_and_no_prefect_traceback(user_project, prefect_api):
+    """As a user runs it: a real process, Prefect's own failure reporting included."""
+    jsonl(user_project / "bad.jsonl", [{"data_source": "arith", "prompt": "1+1="}])
+    argv = overrides(user_project, f"data.train_path={user_project}/bad.jsonl")
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    res = subprocess.run([sys.executable, "-m", "flows.cli", "train", *argv], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr and res.stderr.count("missing_column") == 1, res.stderr
+    res = subprocess.run([sys.executable, "-m", "flows.cli", "train", "--debug", *argv], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert res.returncode == 2 and "Traceback" in res.stderr
+
+
+def test_sft_needs_an_answer_per_row_that_fits_the_model(user_project, prefect_harness, capsys):
+    from flows.sft import main
+
+    argv = overrides(user_project, "sft.steps=1", "sft.hidden_size=16", "sft.num_heads=2")
+    assert main(["--config", CONFIG, *argv]) == 2
+    assert "rows have no answer to train on (column extra_info.answer), the first: row 0" in capsys.readouterr().err
+    rows = [{**r, "extra_info": {"answer": "#### " + "9" * 60}} for r in string_rows(3)]
+    jsonl(user_project / "train.jsonl", rows)
+    assert main(["--config", CONFIG, *argv]) == 2
+    err = capsys.readouterr().err
+    assert "3 rows are longer than actor.model.max_seq_len=64 tokens (prompt + answer)" in err, err
+    assert not (user_project / "sft").exists()
