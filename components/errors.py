@@ -17,5 +17,13 @@ class CheckpointError(ReinforgeError):
     """A checkpoint is missing, incomplete or fails its checksum."""
 
 
+class RewardError(ReinforgeError):
+    """A reward function returned something that is not a reward, raised, hung, or gave too few valid rewards."""
+
+
+class ServiceError(ReinforgeError):
+    """Ray, MLflow or Prefect at the configured address does not answer."""
+
+
 class OutputError(ReinforgeError):
     """An output cannot be written: a full disk, no permission, or a path that is not ours to replace."""

@@ -13,6 +13,7 @@ from components.algorithms.advantages import ADVANTAGES, AdvantageParams
 from components.algorithms.losses import explained_variance
 from components.algorithms.shaping import informative_groups, kl_in_reward, overlong_penalty
 from components.batch import Batch
+from components.errors import RewardError
 from components.rewards.registry import score_batch
 from components.rollout.base import RolloutOutput
 from components.rollout.hf import left_pad
@@ -79,7 +80,15 @@ def add_rewards(batch: Batch, texts: list[str], cfg, overlong: tuple[int, int, f
         metrics.update({**_stats("reward/rule_score", s), **_stats("reward/model_score", learned)})
         s = rm.rule_weight * s + rm.model_weight * learned
     rewards = s
-    metrics.update({**_stats("critic/score", s), "reward/invalid_count": float(len(valid) - sum(valid)),
+    invalid = len(valid) - sum(valid)
+    limit = cfg.reward.max_invalid_frac
+    if invalid > limit * len(valid):
+        sources = sorted({src for src, ok in zip(nt["data_source"], valid) if not ok})
+        raise RewardError(f"iteration {batch.meta.get('iteration')}: {invalid} of {len(valid)} rewards are invalid (None, NaN or inf; data_source "
+                          f"{', '.join(map(repr, sources))}), more than reward.max_invalid_frac={limit}: training on "
+                          "them would learn nothing. Fix the reward function (custom_reward_function or the "
+                          "data_source's scorer), or raise reward.max_invalid_frac.")
+    metrics.update({**_stats("critic/score", s), "reward/invalid_count": float(invalid),
                **_stats("response_length", lengths.float()),
                "prompt_length/mean": float(batch.tensors["prompt_mask"].sum(-1).float().mean())})
     t = batch.tensors

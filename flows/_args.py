@@ -11,6 +11,7 @@ import sys
 import traceback
 
 from components.errors import ReinforgeError
+from components.services import check_services
 
 DEFAULT_CONFIG = "configs/arith_grpo.yaml"
 SERVER_NICE_ENV = "REINFORGE_PREFECT_SERVER_NICE"  # niceness of Prefect's in-process server; 0 = leave it
@@ -57,11 +58,15 @@ def report(exc: ReinforgeError, debug: bool = False) -> int:
 
 
 def check_config(path: str, overrides: list[str], debug: bool = False) -> int:
-    """Validate the config before any flow (or Prefect server) starts: 0 when good, 2 with the message."""
+    """Validate the config, the custom reward function and the services it names before any flow (or Prefect
+    server) starts: 0 when good, 2 with the message."""
     from components.config import load_config
+    from components.rewards.custom import check_custom_reward
 
     try:
-        load_config(path, overrides)
+        cfg = load_config(path, overrides)
+        check_custom_reward(cfg)
+        check_services(cfg.trainer.connect_timeout_s)
     except ReinforgeError as exc:
         return report(exc, debug)
     return 0
@@ -92,13 +97,21 @@ def quiet_user_errors() -> None:
 
 
 def run_cli(fn, *args, debug: bool = False, **kwargs) -> int:
-    """Run a flow; a ReinforgeError prints its message once (no traceback unless `debug`) and exits 2."""
+    """Run a flow; a ReinforgeError prints its message once (no traceback unless `debug`) and exits 2. Ctrl-C
+    or SIGTERM stops it at once (components/shutdown.py): nothing it started is left running."""
+    from components.shutdown import install_signal_handlers, wait_if_stopping
+
+    install_signal_handlers()
     if not debug:
         quiet_user_errors()
     try:
         result = fn(*args, **kwargs)
     except ReinforgeError as exc:
+        wait_if_stopping()
         return report(exc, debug)
+    except BaseException:
+        wait_if_stopping()  # a run being stopped fails on its way: the stop owns the exit and its message
+        raise
     if result is not None:
         print(json.dumps(result, indent=2, default=str))
     return 0

@@ -20,6 +20,8 @@ from components.algorithms.shaping import KLController, group_counts
 from components.config import load_config
 from components.locking import exclusive
 from components.outputs import TRAIN_OUTPUT, check_output, claim_output
+from components.services import PrefectWatch
+from components.shutdown import note, on_stop, stop, stopping
 from components.data.sampler import PromptSampler
 from components.tracking import checkpoints
 from components.rl import concat_rounds, first_groups, informative_rows
@@ -112,73 +114,101 @@ def _train(cfg, pipeline: str, pipeline_version: str, tokenizer, train_rows: lis
     ckpt, state = (str(plan.checkpoint) if plan.checkpoint else None), plan.state
     tracker = start_run(cfg, pipeline, pipeline_version, run_name, plan, fingerprint)
     sampler = PromptSampler(len(train_rows), cfg.data.batch_size, cfg.data.shuffle, t.seed)
-    algo, a = resolve(cfg.algorithm), cfg.algorithm
+    a = cfg.algorithm
     kl_ctrl = KLController(a.kl_coef, a.kl_ctrl, a.kl_target, a.kl_horizon) if a.use_kl_in_reward else None
     history: list[dict] = []
-    workers, rebuilds = None, 0
+    group = _Group()
+    prefect = PrefectWatch()
     try:
-        workers = start_workers(cfg)
-        version, it = _restore(workers, ckpt, state, sampler, kl_ctrl, tracker)
-        scored = None  # (iteration, batch, reward metrics, sampler state): kept until the iteration is done
-        with progress_bar("grpo", t.iterations - it + 1, t.progress) as advance:
-            while it <= t.iterations:
-                timings: dict[str, float] = {}
-                step_start = time.perf_counter()
-                try:
-                    if scored is not None and scored[0] == it:  # rebuilt mid-iteration: reuse what was scored,
-                        _, batch, m_reward, sampler_state = scored  # so each sample is scored once
-                        sampler.load_state_dict(sampler_state)
-                    else:
-                        batch, m_reward = _collect_batch(timings, workers, sampler, train_rows, tokenizer, cfg, it,
-                                                         version)
-                        scored = (it, batch, m_reward, sampler.state_dict())
-                    if algo.needs_critic or kl_ctrl is not None or workers.reference is not None:
-                        batch, t_prep = prepare_batch(workers, batch)
-                        timings.update(t_prep)
-                    batch, m_adv = _timed(timings, "adv", compute_advantages, batch, cfg,
-                                          kl_ctrl.value if kl_ctrl else None)
-                    if kl_ctrl is not None:
-                        kl_ctrl.update(m_adv["actor/reward_kl_penalty"], len(batch))
-                    m_critic = _timed(timings, "update_critic", update_critic, workers, batch) \
-                        if algo.needs_critic else {}
-                    m_actor, version = update_policy(workers, batch)  # its own timing_s/update_actor, _weights
-                    metrics = {**m_reward, **m_adv, **m_critic, **m_actor}
-                    if it % t.test_interval == 0 or it == t.iterations:
-                        metrics.update(_timed(timings, "testing", evaluate_policy, workers, eval_rows, cfg))
-                    timings["timing_s/step"] = time.perf_counter() - step_start
-                    metrics.update(timings)
-                    log_metrics(tracker, metrics, it)  # before the checkpoint: a crash between the two re-runs
-                    if it % t.save_interval == 0 or it == t.iterations:  # `it`, whose metrics are not re-logged
-                        ckpt, state = save_checkpoint(workers, tracker, cfg, plan, it, {
-                            "sampler": sampler.state_dict(), "weights_version": version, **fingerprint.state(),
-                            **({"kl_ctrl": kl_ctrl.state_dict()} if kl_ctrl is not None else {})})
-                        log_metrics(tracker, checkpoint_metrics(state), it)
-                        metrics.update(checkpoint_metrics(state))
-                except Exception as exc:
-                    if not is_transient(exc) or rebuilds >= t.max_worker_rebuilds:
-                        raise
-                    # a worker died for good (the policy actor is never restarted by Ray): new workers from this
-                    # run's last checkpoint (or its start), then on from there; steps already logged stay once
-                    rebuilds += 1
-                    logger().warning("iteration %d: a worker died (%s); rebuilding from the last checkpoint "
-                                     "(%d/%d)", it, type(exc).__name__, rebuilds, t.max_worker_rebuilds)
-                    workers = rebuild_workers(workers, cfg)
-                    if ckpt is not None:
-                        checkpoints.verify(Path(ckpt))
-                    version, it = _restore(workers, ckpt, state, sampler, kl_ctrl, tracker)
-                    continue
-                history.append({"step": it, **metrics})
-                advance(info=f"reward {metrics['critic/score/mean']:.3f}")
-                if t.progress:
-                    console.print(iteration_line(it, t.iterations, metrics))
-                it += 1
-        return finalize(workers, tracker, cfg, plan, history, time.perf_counter() - started)
+        with on_stop("mlflow", lambda: tracker.end("KILLED")), on_stop("workers", group.stop):
+            group.workers = start_workers(cfg)
+            version, it = _restore(group.workers, ckpt, state, sampler, kl_ctrl, tracker)
+            return _loop(cfg, plan, tracker, group, sampler, kl_ctrl, train_rows, eval_rows, tokenizer, fingerprint,
+                         version, it, ckpt, state, history, started, prefect)
     except BaseException:
-        tracker.end("FAILED")
+        tracker.end("KILLED" if stopping() else "FAILED")
         raise
     finally:
-        if workers is not None:
-            stop_workers(workers)
+        group.stop()
+
+
+class _Group:
+    """The run's worker group, replaced when it is rebuilt; stop() stops whichever is current."""
+
+    workers = None
+
+    def stop(self) -> None:
+        if self.workers is not None:
+            stop_workers(self.workers)
+
+
+def _resume_hint(ckpt: str | None) -> str:
+    return (f"The last checkpoint is {ckpt}: run the same command to resume from it." if ckpt else
+            "No checkpoint was saved yet: run the same command to start again.")
+
+
+def _loop(cfg, plan, tracker, group: "_Group", sampler, kl_ctrl, train_rows, eval_rows, tokenizer, fingerprint,
+          version, it, ckpt, state, history, started, prefect) -> dict:
+    t, algo, rebuilds = cfg.trainer, resolve(cfg.algorithm), 0
+    workers = group.workers
+    scored = None  # (iteration, batch, reward metrics, sampler state): kept until the iteration is done
+    with progress_bar("grpo", t.iterations - it + 1, t.progress) as advance:
+        while it <= t.iterations:
+            note(iteration=f"iteration {it} of {t.iterations}", resume=_resume_hint(ckpt))
+            problem = prefect.problem()  # at a stage boundary: a dead server stops the run here
+            if problem:
+                stop(problem, 2)
+            timings: dict[str, float] = {}
+            step_start = time.perf_counter()
+            try:
+                if scored is not None and scored[0] == it:  # rebuilt mid-iteration: reuse what was scored,
+                    _, batch, m_reward, sampler_state = scored  # so each sample is scored once
+                    sampler.load_state_dict(sampler_state)
+                else:
+                    batch, m_reward = _collect_batch(timings, workers, sampler, train_rows, tokenizer, cfg, it,
+                                                     version)
+                    scored = (it, batch, m_reward, sampler.state_dict())
+                if algo.needs_critic or kl_ctrl is not None or workers.reference is not None:
+                    batch, t_prep = prepare_batch(workers, batch)
+                    timings.update(t_prep)
+                batch, m_adv = _timed(timings, "adv", compute_advantages, batch, cfg,
+                                      kl_ctrl.value if kl_ctrl else None)
+                if kl_ctrl is not None:
+                    kl_ctrl.update(m_adv["actor/reward_kl_penalty"], len(batch))
+                m_critic = _timed(timings, "update_critic", update_critic, workers, batch) \
+                    if algo.needs_critic else {}
+                m_actor, version = update_policy(workers, batch)  # its own timing_s/update_actor, _weights
+                metrics = {**m_reward, **m_adv, **m_critic, **m_actor}
+                if it % t.test_interval == 0 or it == t.iterations:
+                    metrics.update(_timed(timings, "testing", evaluate_policy, workers, eval_rows, cfg))
+                timings["timing_s/step"] = time.perf_counter() - step_start
+                metrics.update(timings)
+                log_metrics(tracker, metrics, it)  # before the checkpoint: a crash between the two re-runs
+                if it % t.save_interval == 0 or it == t.iterations:  # `it`, whose metrics are not re-logged
+                    ckpt, state = save_checkpoint(workers, tracker, cfg, plan, it, {
+                        "sampler": sampler.state_dict(), "weights_version": version, **fingerprint.state(),
+                        **({"kl_ctrl": kl_ctrl.state_dict()} if kl_ctrl is not None else {})})
+                    log_metrics(tracker, checkpoint_metrics(state), it)
+                    metrics.update(checkpoint_metrics(state))
+            except Exception as exc:
+                if not is_transient(exc) or rebuilds >= t.max_worker_rebuilds:
+                    raise
+                # a worker died for good (the policy actor is never restarted by Ray): new workers from this
+                # run's last checkpoint (or its start), then on from there; steps already logged stay once
+                rebuilds += 1
+                logger().warning("iteration %d: a worker died (%s); rebuilding from the last checkpoint "
+                                 "(%d/%d)", it, type(exc).__name__, rebuilds, t.max_worker_rebuilds)
+                workers = group.workers = rebuild_workers(workers, cfg)
+                if ckpt is not None:
+                    checkpoints.verify(Path(ckpt))
+                version, it = _restore(workers, ckpt, state, sampler, kl_ctrl, tracker)
+                continue
+            history.append({"step": it, **metrics})
+            advance(info=f"reward {metrics['critic/score/mean']:.3f}")
+            if t.progress:
+                console.print(iteration_line(it, t.iterations, metrics))
+            it += 1
+    return finalize(workers, tracker, cfg, plan, history, time.perf_counter() - started)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,8 @@ from components.config import Config
 from components.data.prompts import prompt_text
 from components.errors import ConfigError
 from components.models.loading import check_model_dir, load_tokenizer
+from components.rewards.custom import check_custom_reward
+from components.services import check_services
 from components.rewards.registry import scorers_for
 from components.rl import add_advantages, add_rewards, decode_responses
 from components.rollout.base import SamplingParams
@@ -29,6 +31,8 @@ def sampling_params(cfg: Config) -> SamplingParams:
 def check_inputs(cfg: Config):
     """What can be checked before any worker or MLflow run starts: the policy's tokenizer (loaded as saved,
     checked) and weights, the critic's and reward model's directories. Returns the tokenizer."""
+    check_custom_reward(cfg)
+    check_services(cfg.trainer.connect_timeout_s)  # a deployment's run, which no CLI checked
     tokenizer = load_tokenizer(cfg.actor.model.path)
     check_model_dir(cfg.actor.model.path, "actor.model.path")
     if cfg.critic.model_path and resolve(cfg.algorithm).needs_critic:

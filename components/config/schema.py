@@ -143,6 +143,13 @@ class RewardModelConfig(Section):
         return self
 
 
+class RewardConfig(Section):
+    """What a run accepts from its reward functions."""
+
+    max_invalid_frac: float = Field(0.5, ge=0, le=1, description="stop the run when more than this share of an "
+                                                                 "iteration's rewards are invalid (None, NaN, inf)")
+
+
 class MultiTurnConfig(Section):
     """Multi-turn rollouts with hermes-style tool calls (components/rollout/multi_turn.py)."""
 
@@ -168,22 +175,38 @@ class CustomRewardConfig(Section):
 
 
 class SandboxConfig(Section):
-    """Limits of the bubblewrap sandbox that runs model-written code (code reward, python tool)."""
+    """Limits of the bubblewrap sandbox that runs model-written code (code reward, python tool), each for the
+    whole process tree of a run."""
 
     timeout_s: float = Field(10.0, gt=0, description="wall-clock limit per run; the process group is killed")
-    cpu_s: int = Field(5, ge=1, description="CPU-seconds limit per run (RLIMIT_CPU)")
-    memory_mb: int = Field(512, ge=64, description="address-space limit per run (RLIMIT_AS)")
-    max_processes: int = Field(16, ge=1, description="processes per run (RLIMIT_NPROC)")
-    max_open_files: int = Field(64, ge=8, description="open files per run (RLIMIT_NOFILE)")
+    cpu_s: int = Field(5, ge=1, description="CPU-seconds of a run's whole process tree")
+    memory_mb: int = Field(512, ge=64, description="resident memory of a run's whole process tree (and each "
+                                                   "process's address space)")
+    max_processes: int = Field(16, ge=1, description="processes of a run (RLIMIT_NPROC of its own uid)")
+    max_open_files: int = Field(64, ge=8, description="open files per process (RLIMIT_NOFILE)")
     max_output_bytes: int = Field(1 << 20, ge=1024, description="stdout/stderr/file size cap (RLIMIT_FSIZE)")
     concurrency: int = Field(2, ge=1, description="sandboxed runs at once")
+    allowed_packages: list[str] = Field([], description="packages code may import besides the standard library "
+                                                        "(mounted read-only from this environment), e.g. [numpy]")
+
+    @model_validator(mode="after")
+    def _installed(self) -> "SandboxConfig":
+        from components.rewards.sandbox import package_dirs
+
+        for name in self.allowed_packages:
+            try:
+                package_dirs((name,))
+            except KeyError:
+                raise ValueError(f"sandbox.allowed_packages: {name!r} is not installed in this environment, so it "
+                                 "cannot be mounted into the sandbox; install it (pip install) or remove it") from None
+        return self
 
     def limits(self):
         from components.rewards.sandbox import SandboxLimits
 
         return SandboxLimits(timeout_s=self.timeout_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb,
                              max_processes=self.max_processes, max_open_files=self.max_open_files,
-                             max_output_bytes=self.max_output_bytes)
+                             max_output_bytes=self.max_output_bytes, allowed_packages=tuple(self.allowed_packages))
 
 
 class DataConfig(Section):
@@ -239,7 +262,10 @@ class TrainerConfig(Section):
                                                       "run already finished trainer.iterations: stop with a message, "
                                                       "or train a new run from the start (the nightly)")
     stage_timeout_s: int = Field(1200, ge=1, description="a worker call running longer is killed with every process "
-                                                         "it started, and counts as the worker's death")
+                                                         "it started, and counts as the worker's death; scoring "
+                                                         "rewards longer stops the run")
+    connect_timeout_s: float = Field(15.0, gt=0, description="seconds Ray (RAY_ADDRESS), MLflow (MLFLOW_TRACKING_URI) "
+                                                             "and Prefect (PREFECT_API_URL) have to answer at start")
     max_worker_rebuilds: int = Field(3, ge=0, description="times a dead worker group is rebuilt from the last "
                                                           "checkpoint before the run fails")
     max_checkpoints_to_keep: int | None = Field(None, ge=1, description="prune all but the newest N (None = keep all)")
@@ -300,6 +326,7 @@ class Config(Section):
     critic: CriticConfig = Field(default_factory=CriticConfig, description="value model (PPO with gae)")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="rollout engine")
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="rewards")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="checks on the rewards")
     custom_reward_function: CustomRewardConfig = Field(default_factory=CustomRewardConfig,
                                                        description="a user's reward function")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="code sandbox limits")

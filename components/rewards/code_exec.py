@@ -1,43 +1,59 @@
-"""Code scorer: the response's Python, run against the sample's tests in the bubblewrap sandbox.
+"""Code scorer: the response's Python against the sample's tests, judged by a process that never runs it.
 
 ground_truth (or extra_info["tests"]) is a JSON list of test statements, e.g. `["assert add(1, 2) == 3"]`.
-The solution runs first, then each test in the solution's namespace; score = fraction of tests that pass.
-A solution that times out, exhausts memory or floods its output scores 0, with the status as a sub-score.
+The solution runs alone in the bubblewrap sandbox (a Sandbox.session). Each test is evaluated here, in the
+host, by a small interpreter of plain values: literals, arithmetic, comparisons, `and`/`or`/`not`, indexing,
+a few safe builtins (len, abs, sorted, ...) and `math.isclose`; every call to any other name is a call of the
+solution's function, sent to the sandbox with the argument values, which answers with the repr of its result.
+That answer is parsed as a literal (ast.literal_eval) and compared here, so nothing the solution does in its
+own process (patching builtins, printing markers, objects whose `__eq__` says yes, exiting early, killing the
+harness, reading the tests, which are never sent) can pass a test it does not pass. The score is the fraction
+of tests passed; how the run ended is a sub-score (`status/<s>` = 1):
+
+- ok: every test was evaluated; error: the solution raised while loading (its functions defined before that
+  still answer); exited: the program ended before all tests were asked (sys.exit, os._exit, a killed harness);
+  tampered: it answered what was not asked (a forged or malformed reply on the result pipe); timeout, memory,
+  output_limit, processes: a limit of the whole process tree was reached. A run that ended any other way than
+  ok or error scores 0, whatever it answered before.
+
+A test that is not `assert <expression>` (or a bare expression) over that language is a malformed ground
+truth: a ValueError naming it, as for a ground truth that is not a list of tests.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import math
+import operator
 import re
-import secrets
 from functools import lru_cache
 
-from components.rewards.sandbox import Sandbox, SandboxLimits
+from components.rewards.sandbox import Sandbox, SandboxLimits, SessionClosed
 
-STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "no_result")
+STATUSES = ("ok", "error", "exited", "tampered", "timeout", "memory", "output_limit", "processes")
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.S)
 
-HARNESS = """\
-import json as __json
-__tests = __json.loads({tests!r})
-__ns = {{"__name__": "__main__"}}
-try:
-    exec(compile({code!r}, "<solution>", "exec"), __ns)
-except MemoryError:
-    raise
-except BaseException as __exc:
-    print("solution failed:", type(__exc).__name__, __exc)
-__passed = []
-for __t in __tests:
-    try:
-        exec(compile(__t, "<test>", "exec"), __ns)
-        __passed.append(True)
-    except MemoryError:
-        raise
-    except BaseException:
-        __passed.append(False)
-print({marker!r} + __json.dumps(__passed), flush=True)
-"""
+SAFE_CALLS = {"abs": abs, "len": len, "round": round, "sorted": sorted, "set": set, "list": list, "tuple": tuple,
+              "min": min, "max": max, "sum": sum, "all": all, "any": any, "int": int, "float": float, "str": str,
+              "bool": bool, "dict": dict, "frozenset": frozenset}
+SAFE_MATH = {"isclose": math.isclose, "sqrt": math.sqrt, "floor": math.floor, "ceil": math.ceil,
+             "fabs": math.fabs, "isnan": math.isnan, "isinf": math.isinf}
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Not: operator.not_}
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+            ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
+            ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
+MAX_SIZE = 1 << 20  # the largest sequence or exponent the host builds while evaluating a test
+
+
+class Unsupported(ValueError):
+    """A test the host-side evaluator does not take (a malformed ground truth)."""
+
+
+class _Failed(Exception):
+    """A call of the solution raised, or answered with something that is not a plain value."""
 
 
 def extract_code(text: str) -> str:
@@ -50,6 +66,118 @@ def extract_code(text: str) -> str:
     """
     blocks = _FENCE.findall(text)
     return blocks[-1] if blocks else text
+
+
+def parse_test(test: str) -> ast.expr:
+    """The expression a test asserts; Unsupported naming the test when it is not `assert <expr>` or `<expr>`.
+
+    >>> ast.dump(parse_test("assert f(1) == 2"))[:7]
+    'Compare'
+    """
+    try:
+        body = ast.parse(test).body
+    except SyntaxError as exc:
+        raise Unsupported(f"code reward: test {test!r} is not Python ({exc.msg})") from None
+    if len(body) == 1 and isinstance(body[0], ast.Assert):
+        return body[0].test
+    if len(body) == 1 and isinstance(body[0], ast.Expr):
+        return body[0].value
+    raise Unsupported(f"code reward: test {test!r} is not one `assert <expression>`; the tests are evaluated "
+                      "outside the solution's process, over calls of its functions, literals, arithmetic, "
+                      "comparisons and len/abs/sorted/... (components/rewards/code_exec.py)")
+
+
+def _bounded(value):
+    if isinstance(value, (str, bytes, list, tuple, set, dict)) and len(value) > MAX_SIZE:
+        raise _Failed("a value too large to compare")
+    return value
+
+
+class Evaluator:
+    """Evaluates a test expression over plain values; `call(name, args, kwargs)` answers the solution's calls."""
+
+    def __init__(self, call):
+        self.call = call
+
+    def __call__(self, node: ast.AST):
+        method = getattr(self, f"_{type(node).__name__}", None)
+        if method is None:
+            raise Unsupported(f"code reward: `{ast.unparse(node)}` ({type(node).__name__}) is outside what tests "
+                              "may use")
+        return _bounded(method(node))
+
+    def _Constant(self, node):
+        return node.value
+
+    def _List(self, node):
+        return [self(e) for e in node.elts]
+
+    def _Tuple(self, node):
+        return tuple(self(e) for e in node.elts)
+
+    def _Set(self, node):
+        return {self(e) for e in node.elts}
+
+    def _Dict(self, node):
+        return {self(k): self(v) for k, v in zip(node.keys, node.values)}
+
+    def _UnaryOp(self, node):
+        if type(node.op) not in _UNARY:
+            raise Unsupported(f"code reward: operator in `{ast.unparse(node)}`")
+        return _UNARY[type(node.op)](self(node.operand))
+
+    def _BinOp(self, node):
+        if type(node.op) not in _BINARY:
+            raise Unsupported(f"code reward: operator in `{ast.unparse(node)}`")
+        left, right = self(node.left), self(node.right)
+        if isinstance(node.op, ast.Pow) and isinstance(right, (int, float)) and abs(right) > 64 and \
+                not (isinstance(left, (int, float)) and abs(left) <= 1):
+            raise _Failed("an exponent too large to evaluate")
+        if isinstance(node.op, ast.Mult) and any(isinstance(v, int) and v > MAX_SIZE for v in (left, right)) \
+                and any(isinstance(v, (str, list, tuple, bytes)) for v in (left, right)):
+            raise _Failed("a repetition too large to evaluate")
+        return _BINARY[type(node.op)](left, right)
+
+    def _BoolOp(self, node):
+        value = None
+        for operand in node.values:
+            value = self(operand)
+            if isinstance(node.op, ast.And) and not value or isinstance(node.op, ast.Or) and value:
+                return value
+        return value
+
+    def _Compare(self, node):
+        left = self(node.left)
+        for op, comparator in zip(node.ops, node.comparators):
+            right = self(comparator)
+            if not _COMPARE[type(op)](left, right):
+                return False
+            left = right
+        return True
+
+    def _Subscript(self, node):
+        return self(node.value)[self(node.slice)]
+
+    def _Slice(self, node):
+        return slice(*(self(p) if p is not None else None for p in (node.lower, node.upper, node.step)))
+
+    def _Call(self, node):
+        args = tuple(self(a) for a in node.args)
+        kwargs = {k.arg: self(k.value) for k in node.keywords if k.arg is not None}
+        if len(kwargs) != len(node.keywords) or any(isinstance(a, ast.Starred) for a in node.args):
+            raise Unsupported(f"code reward: `{ast.unparse(node)}` unpacks arguments")
+        func = node.func
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "math" \
+                and func.attr in SAFE_MATH:
+            return SAFE_MATH[func.attr](*args, **kwargs)
+        if not isinstance(func, ast.Name):
+            raise Unsupported(f"code reward: `{ast.unparse(node)}` calls something other than a function by name")
+        if func.id in SAFE_CALLS:
+            return SAFE_CALLS[func.id](*args, **kwargs)
+        kind, value = self.call(func.id, args, kwargs)  # the solution's function, in the sandbox
+        if kind != "value":
+            raise _Failed(f"{func.id} {kind}: {value}")
+        return value
 
 
 @lru_cache(maxsize=4)
@@ -69,12 +197,30 @@ def tests_of(ground_truth, extra_info: dict | None) -> list[str]:
 
 def run_tests(code: str, tests: list[str], sandbox: Sandbox) -> tuple[list[bool], str]:
     """Which tests pass, and how the sandboxed run ended (its status)."""
-    marker = f"__result_{secrets.token_hex(8)}__"
-    result = sandbox.run(HARNESS.format(tests=json.dumps(tests), code=code, marker=marker))
-    lines = [line for line in result.stdout.splitlines() if line.startswith(marker)]
-    if result.status != "ok" or not lines:
-        return [False] * len(tests), result.status if result.status != "ok" else "no_result"
-    return [bool(x) for x in json.loads(lines[-1][len(marker):])], "ok"
+    expressions = [parse_test(t) for t in tests]  # a malformed test is found before any code runs
+    passed: list[bool] = []
+    status = "ok"
+    with sandbox.session(code) as session:
+        evaluate = Evaluator(session.call)
+        status = "ok" if session.loaded else "error"
+        for expression in expressions:
+            try:
+                passed.append(bool(evaluate(expression)))
+            except _Failed:
+                passed.append(False)
+            except SessionClosed as closed:
+                status = closed.status
+                break
+            except Unsupported:
+                raise
+            except Exception:  # the host's own evaluation failed (a TypeError comparing values): not passed
+                passed.append(False)
+    ended = session.result.status if session.result is not None else "ok"
+    if ended not in ("ok", "error"):  # a limit of the tree was reached: that is how it ended
+        status = ended
+    if status not in ("ok", "error"):  # a run that did not end by itself passes nothing, whatever it answered
+        return [False] * len(tests), status
+    return passed, status
 
 
 def score(response_text: str, ground_truth, extra_info: dict | None = None, *,

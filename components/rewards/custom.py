@@ -7,6 +7,7 @@ the file being importable there. Errors name the file and line.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
 import traceback
 from functools import lru_cache
@@ -23,9 +24,16 @@ def _line_in(exc: BaseException, path: Path) -> str:
     return f"{path}:{frames[-1].lineno}" if frames else str(path)
 
 
-@lru_cache(maxsize=8)
+def check_custom_reward(cfg) -> None:
+    """At config validation: custom_reward_function.path is a Python file inside the project that imports and
+    defines `name` with the reward signature (ConfigError naming the key, the file and line otherwise)."""
+    if cfg.custom_reward_function.path:
+        load_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+
+
 def load_custom_reward(path: str, name: str):
-    """The function `name` of the file at `path` (relative to the working directory, which must contain it)."""
+    """The function `name` of the file at `path` (relative to the working directory, which must contain it),
+    loaded once per file content."""
     root, file = Path.cwd().resolve(), Path(path).resolve()
     if root not in file.parents:
         raise ConfigError(f"custom_reward_function.path={path}: resolves to {file}, outside the project "
@@ -33,6 +41,12 @@ def load_custom_reward(path: str, name: str):
     if not file.is_file() or file.suffix != ".py":
         raise ConfigError(f"custom_reward_function.path={path}: no Python file there. Give the path of a .py "
                           "file that defines the reward function.")
+    stat = file.stat()
+    return _load(path, file, name, stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=8)
+def _load(path: str, file: Path, name: str, _mtime_ns: int, _size: int):
     module_name = f"reinforge_custom_reward_{abs(hash(str(file)))}"
     spec = importlib.util.spec_from_file_location(module_name, file)
     module = importlib.util.module_from_spec(spec)
@@ -46,6 +60,14 @@ def load_custom_reward(path: str, name: str):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise ConfigError(f"custom_reward_function.name={name}: {path} defines no function {name!r} (it has: "
                           f"{', '.join(found) or 'none'}). Set custom_reward_function.name to one of them.")
+    try:
+        inspect.signature(fn).bind("response", "ground truth", {})
+    except TypeError as exc:
+        raise ConfigError(f"custom_reward_function.name={name}: {path} defines {name}{inspect.signature(fn)}, but a "
+                          f"reward function is called as {name}(response_text, ground_truth, extra_info) ({exc}). "
+                          "Give it those three parameters.") from None
+    except ValueError:  # no signature to read (a builtin): it is called and checked at the first batch
+        pass
     sys.modules[module_name] = module
     import cloudpickle
 
@@ -64,7 +86,7 @@ class _Located:
 
     def __init__(self, fn, file: Path):
         self.fn, self.file = fn, file
-        self.origin = f"custom_reward_function {file}"
+        self.origin = f"{getattr(fn, '__name__', 'the function')} in {file} (custom_reward_function)"
 
     def __call__(self, response_text, ground_truth, extra_info):
         try:

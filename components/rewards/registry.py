@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Callable
 
+from components.errors import RewardError
 from components.rewards import countdown, gsm8k
 
 if TYPE_CHECKING:
@@ -85,21 +86,41 @@ def scorers_for(data_sources: list[str], cfg: "Config") -> dict[str, Scorer]:
     return {source: scorer_for(source, cfg) for source in dict.fromkeys(data_sources)}
 
 
-def _split(value) -> tuple[object, dict[str, float]]:
-    """A scorer's return value as (score, sub-scores)."""
+def scorer_name(fn) -> str:
+    """How an error names a scorer: the custom function's file, else its (partial's) function name."""
+    origin = getattr(fn, "origin", None)
+    if origin:
+        return origin
+    inner = getattr(fn, "func", fn)
+    return f"{getattr(inner, '__module__', '')}.{getattr(inner, '__qualname__', repr(inner))}".lstrip(".")
+
+
+def _split(value, fn, i: int, source: str, text: str) -> tuple[object, dict[str, float]]:
+    """A scorer's return value as (score, sub-scores). A score that is not a number, None, NaN or inf (a bool,
+    a string, a list, a dict without a numeric `score`) is a RewardError naming the function, the sample and
+    the type: training on it would learn nothing."""
+    score, subs = value, {}
     if isinstance(value, dict):
-        subs = {k: float(v) for k, v in value.items() if k != "score" and isinstance(v, (int, float))}
-        return value.get("score"), subs
-    return value, {}
+        subs = {k: float(v) for k, v in value.items() if k != "score" and isinstance(v, (int, float))
+                and not isinstance(v, bool)}
+        score = value.get("score")
+    if score is not None and (isinstance(score, bool) or not isinstance(score, (int, float))):
+        what = "a dict without a numeric 'score'" if isinstance(value, dict) else \
+            f"{type(score).__name__} {repr(score)[:40]}"
+        raise RewardError(f"reward function {scorer_name(fn)} returned {what} for sample {i} (data_source "
+                          f"{source!r}, response {text[:60]!r}); a reward is an int or float (or a dict with a "
+                          "numeric 'score'), None or NaN for 'cannot score'. Return float(...).")
+    return score, subs
 
 
 def score_batch(texts: list[str], ground_truths: list[str], data_sources: list[str], extra_infos: list[dict],
                 cfg: "Config", scorers: dict[str, Scorer] | None = None
                 ) -> tuple[list[float], list[bool], dict[str, list[float]]]:
     """Scores per response, whether each is valid, and the sub-scores (name -> per-row values, NaN where a
-    row's scorer did not report that name). Invalid scores (None, NaN, inf, not a number) count as 0.
+    row's scorer did not report that name). Invalid scores (None, NaN, inf) count as 0 and as invalid; a
+    score of the wrong type (a bool, a string, a list) is a RewardError.
 
-    A scorer that raises is a bug: the error names the sample and is not retried. `scorers` (data_source ->
+    A scorer that raises is a bug: the RewardError names the sample and is not retried. `scorers` (data_source ->
     scorer, from scorers_for) lets another process score with the scorers resolved here. Scorers marked
     `concurrent` (the sandboxed code scorer) run in threads, up to sandbox.concurrency at once.
     """
@@ -108,12 +129,11 @@ def score_batch(texts: list[str], ground_truths: list[str], data_sources: list[s
     def one(i: int):
         fn, source = cache[data_sources[i]], data_sources[i]
         try:
-            return _split(fn(texts[i], ground_truths[i], extra_infos[i]))
+            value = fn(texts[i], ground_truths[i], extra_infos[i])
         except Exception as exc:
-            where = getattr(fn, "origin", None)
-            raise RuntimeError(f"reward scorer for data_source={source!r}{f' ({where})' if where else ''} failed "
-                               f"on sample {i} (response {texts[i][:80]!r}, ground truth {ground_truths[i]!r}): "
-                               f"{exc!r}") from exc
+            raise RewardError(f"reward scorer {scorer_name(fn)} for data_source={source!r} failed on sample {i} "
+                              f"(response {texts[i][:80]!r}, ground truth {ground_truths[i]!r}): {exc!r}") from exc
+        return _split(value, fn, i, source, texts[i])
 
     parallel = [i for i, s in enumerate(data_sources) if getattr(cache[s], "concurrent", False)]
     results: dict[int, tuple] = {}

@@ -1,33 +1,56 @@
 """Run model-written Python in a bubblewrap sandbox: no network, a private empty /tmp as the only writable
-place, a read-only view of the interpreter, an environment allow-list, rlimits and a wall-clock timeout.
+place, a read-only view of the interpreter's standard library, an environment allow-list, limits for the
+whole process tree and a wall-clock timeout.
 
 Where `bwrap` is missing the sandbox refuses to run (SandboxUnavailable) rather than run code unconfined.
 
 Layout of one run: `bwrap` (started in its own session, so a timeout kills its whole process group) creates
-new net, pid, ipc and uts namespaces and mounts, read-only, the interpreter's prefix plus /usr and /lib; the
-program reads the code from stdin. Running as root, the sandboxed Python drops to an unprivileged uid of its
-own slot (60000 + slot) before the code runs, so RLIMIT_NPROC counts only that sandbox's processes; as any
-other user, bwrap adds a user namespace and the process limit counts on top of the user's current processes.
-Stdout and stderr go to files capped by RLIMIT_FSIZE, so printing 10^9 characters stops at the cap.
+new net, pid, ipc and uts namespaces and mounts, read-only, /usr, /lib and the interpreter's prefix, with
+every site-packages (and Debian's dist-packages) hidden under an empty tmpfs: the code imports the standard
+library and only the packages `allowed_packages` names (mounted read-only under /opt/reinforge-packages).
+Python starts with -I -S (no user or site directories).
+
+Limits count the whole process tree of a run, not each process: a watcher sums the CPU time and resident
+memory of every process under bwrap and kills the group at `cpu_s` or `memory_mb` (rlimits stay on each
+process as a second line). Running as root, the code drops to a uid leased for the run from a machine-wide
+range (a lock file per uid), so two sandboxes, in this process or any other, never share a uid, and
+RLIMIT_NPROC counts only that sandbox's processes; as any other user, bwrap adds a user namespace and the
+watcher also kills a tree over `max_processes`. Stdout and stderr go to files capped by RLIMIT_FSIZE, so
+printing 10^9 characters stops at the cap.
+
+`Sandbox.session` keeps the program running and talks to it over pipes: the code reward runs the solution
+there and asks it for the values of calls, one at a time (components/rewards/code_exec.py).
 """
 
 from __future__ import annotations
 
+import fcntl
+import importlib.util
+import json
 import os
 import queue
 import resource
+import secrets
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: `apt-get install -y bubblewrap`; Fedora: `dnf install "
                 "bubblewrap`), or do not use the code reward")
 ENV_ALLOW = ("LANG", "LC_ALL")  # the only variables copied from the parent; everything else is cleared
-SLOT_UID_BASE = 60000
+SLOT_UID_BASE = 60000  # leased uids: SLOT_UID_BASE .. SLOT_UID_BASE + UID_RANGE - 1
+UID_RANGE = 1024
+UID_LOCKS = Path(tempfile.gettempdir()) / "reinforge-sandbox-uids"
+PACKAGES_DIR = "/opt/reinforge-packages"
+WATCH_INTERVAL_S = 0.05
 
 
 class SandboxUnavailable(RuntimeError):
@@ -37,17 +60,18 @@ class SandboxUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class SandboxLimits:
     timeout_s: float = 10.0  # wall clock, then the whole process group is killed
-    cpu_s: int = 5  # RLIMIT_CPU (SIGXCPU, then SIGKILL one second later)
-    memory_mb: int = 512  # RLIMIT_AS
-    max_processes: int = 16  # RLIMIT_NPROC
+    cpu_s: int = 5  # CPU-seconds of the whole process tree (RLIMIT_CPU per process too)
+    memory_mb: int = 512  # resident memory of the whole tree (RLIMIT_AS per process too)
+    max_processes: int = 16  # processes of the tree (RLIMIT_NPROC of the leased uid)
     max_open_files: int = 64  # RLIMIT_NOFILE
     max_output_bytes: int = 1 << 20  # RLIMIT_FSIZE: stdout, stderr and any file written in /tmp
     tmp_mb: int = 64  # size of the private tmpfs
+    allowed_packages: tuple[str, ...] = ()  # importable besides the standard library (sandbox.allowed_packages)
 
 
 @dataclass
 class SandboxResult:
-    """status: ok | error (non-zero exit) | timeout (wall or CPU) | memory | output_limit."""
+    """status: ok | error (non-zero exit) | timeout (wall or CPU) | memory | output_limit | processes."""
 
     status: str
     returncode: int
@@ -63,8 +87,46 @@ def bwrap_path() -> str:
     return path
 
 
-def _ro_binds() -> list[str]:
-    """Read-only mounts: the system libraries and the prefix of the interpreter that runs the code."""
+def _interpreter() -> str:
+    """The base interpreter (a venv's python is a symlink to it)."""
+    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+
+
+def _hidden_dirs() -> list[str]:
+    """Package directories of the mounted interpreters, covered by an empty tmpfs so that nothing but the
+    standard library imports (adding them to sys.path finds nothing)."""
+    import sysconfig
+
+    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}
+    found = {sysconfig.get_paths(vars=base)["purelib"], sysconfig.get_paths(vars=base)["platlib"]}
+    found |= {str(p) for p in Path(sys.base_prefix).glob("lib/python3*/site-packages")}
+    found |= {str(p) for p in Path("/usr/lib").glob("python3*/dist-packages")}
+    found |= {str(p) for p in Path("/usr/local/lib").glob("python3*/dist-packages")}
+    found |= {str(p) for p in Path("/usr/lib").glob("python3*/site-packages")}
+    base = os.path.realpath(sys.base_prefix)
+    mounted = ("/usr", "/lib", base)
+    return sorted(p for p in found if os.path.isdir(p) and any(os.path.realpath(p).startswith(m) for m in mounted))
+
+
+def package_dirs(names: tuple[str, ...]) -> dict[str, str]:
+    """name -> the directory (or module file) of each allowed package, with numpy-style `<name>.libs`
+    siblings; KeyError naming a package this environment does not have."""
+    out = {}
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is None or (spec.origin is None and not spec.submodule_search_locations):
+            raise KeyError(name)
+        path = spec.submodule_search_locations[0] if spec.submodule_search_locations else spec.origin
+        out[os.path.basename(path)] = path
+        libs = Path(path).parent / f"{name}.libs"
+        if libs.is_dir():
+            out[libs.name] = str(libs)
+    return out
+
+
+def _ro_binds(allowed: tuple[str, ...]) -> list[str]:
+    """Read-only mounts: the system libraries and the interpreter's prefix, package directories hidden, the
+    allowed packages under PACKAGES_DIR."""
     paths = list(dict.fromkeys(["/usr", "/lib", "/lib64", "/bin", sys.base_prefix,
                                 os.path.dirname(_interpreter())]))
     parents: list[str] = []  # e.g. /root for a pyenv interpreter: made traversable (and empty) in the sandbox
@@ -77,27 +139,88 @@ def _ro_binds() -> list[str]:
     for path in paths:  # a symlink such as /lib64 -> usr/lib64 is mounted at its own path (the loader's)
         if os.path.exists(path):
             args += ["--ro-bind", os.path.realpath(path), path]
+    for hidden in _hidden_dirs():
+        args += ["--tmpfs", hidden, "--remount-ro", hidden]
+    if allowed:
+        args += ["--perms", "0755", "--dir", os.path.dirname(PACKAGES_DIR), "--perms", "0755", "--dir", PACKAGES_DIR]
+    for name, path in package_dirs(allowed).items():
+        args += ["--ro-bind", path, f"{PACKAGES_DIR}/{name}"]
     return args
 
 
-def _interpreter() -> str:
-    """The base interpreter (a venv's python is a symlink to it): only the standard library is visible."""
-    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+@contextmanager
+def uid_lease():
+    """A uid no other sandbox on this machine holds while the block runs (an flock'd file per uid in
+    UID_LOCKS, released when the block ends or the process dies)."""
+    UID_LOCKS.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for uid in range(SLOT_UID_BASE, SLOT_UID_BASE + UID_RANGE):
+        fd = os.open(UID_LOCKS / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            yield uid
+        finally:
+            os.close(fd)
+        return
+    raise SandboxUnavailable(f"all {UID_RANGE} sandbox uids from {SLOT_UID_BASE} are in use")
 
 
-def _user_processes() -> int:
-    uid, count = os.getuid(), 0
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                count += os.stat(f"/proc/{pid}").st_uid == uid
-            except OSError:
-                pass
-    return count
+def _tree_usage(root) -> tuple[float, int, int]:
+    """(CPU seconds, resident bytes, process count) of a process and all its descendants. CPU of processes
+    already reaped is in their reaper's children times (the pid namespace's init reaps orphans)."""
+    import psutil
+
+    cpu, rss, count = 0.0, 0, 0
+    try:
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:  # the root is gone: nothing left to count
+        return cpu, rss, count
+    for proc in tree:
+        try:
+            t = proc.cpu_times()
+            cpu += t.user + t.system + t.children_user + t.children_system
+            rss += proc.memory_info().rss
+            count += 1
+        except psutil.Error:
+            continue
+    return cpu, rss, count
+
+
+class _Watcher(threading.Thread):
+    """Kills a run's process group when the whole tree passes a limit; `reason` says which."""
+
+    def __init__(self, pid: int, limits: SandboxLimits, count_processes: bool):
+        super().__init__(daemon=True)
+        self.pid, self.limits, self.count_processes = pid, limits, count_processes
+        self.reason: str | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.Error:
+            return
+        lim = self.limits
+        while not self.done.wait(WATCH_INTERVAL_S):
+            cpu, rss, count = _tree_usage(root)
+            if cpu > lim.cpu_s:
+                self.reason = "timeout"
+            elif rss > lim.memory_mb << 20:
+                self.reason = "memory"
+            elif self.count_processes and count > lim.max_processes + 2:  # + bwrap and its namespace's init
+                self.reason = "processes"
+            if self.reason:
+                _kill_group(self.pid)
+                return
 
 
 class Sandbox:
-    """Runs code under `limits`, at most `concurrency` programs at once (each in its own uid slot)."""
+    """Runs code under `limits`, at most `concurrency` programs at once, each under a uid of its own."""
 
     def __init__(self, limits: SandboxLimits = SandboxLimits(), concurrency: int = 2):
         self.limits = limits
@@ -107,7 +230,7 @@ class Sandbox:
         for slot in range(concurrency):
             self._slots.put(slot)
 
-    def _command(self) -> list[str]:
+    def _command(self, python_args: list[str]) -> list[str]:
         lim = self.limits
         ns = ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
         if not self.as_root:
@@ -118,9 +241,16 @@ class Sandbox:
             if key in os.environ:
                 env += ["--setenv", key, os.environ[key]]
         caps = ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if self.as_root else []
-        return [self.bwrap, *ns, "--die-with-parent", "--new-session", *env, *_ro_binds(),
-                "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(lim.tmp_mb << 20), "--tmpfs", "/tmp",
-                "--chdir", "/tmp", *caps, "--", _interpreter(), "-I", "-"]
+        return [self.bwrap, *ns, "--die-with-parent", "--new-session", *env, *_ro_binds(lim.allowed_packages),
+                "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(lim.tmp_mb << 20), "--tmpfs",
+                "/tmp", "--chdir", "/tmp", *caps, "--", _interpreter(), "-I", "-S", *python_args]
+
+    def _prelude(self, uid: int | None) -> str:
+        """Python run before anything else: the allowed packages on sys.path, then (as root) the leased uid."""
+        lines = [f"import sys as _s\n_s.path.append({PACKAGES_DIR!r})\ndel _s"] if self.limits.allowed_packages else []
+        if uid is not None:
+            lines.append(f"import os as _o\n_o.setgroups([]); _o.setgid({uid}); _o.setuid({uid})\ndel _o")
+        return "\n".join(lines) + "\n" if lines else ""
 
     def _preexec(self, nproc: int):
         lim = self.limits
@@ -135,40 +265,91 @@ class Sandbox:
 
         return apply
 
-    def run(self, code: str) -> SandboxResult:
-        """Run `code` (a Python program) and classify how it ended; never raises for what the code does."""
+    @contextmanager
+    def _launch(self, python_args, pass_fds: tuple[int, ...] = ()):
+        """A running sandboxed process (its Popen, its watcher) with stdout/stderr to capped files, the
+        interpreter's arguments made by python_args(prelude); on leaving the block the whole group is killed
+        and collect() classifies how it ended (run.result)."""
         slot = self._slots.get()
         try:
-            return self._run(code, slot)
+            with (uid_lease() if self.as_root else _no_uid()) as uid, \
+                    tempfile.TemporaryDirectory(prefix="reinforge-sandbox-") as tmp:
+                nproc = self.limits.max_processes if self.as_root else _user_processes() + self.limits.max_processes
+                out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+                with open(out_path, "wb") as out, open(err_path, "wb") as err:
+                    prelude = self._prelude(uid)
+                    proc = subprocess.Popen(self._command(python_args(prelude)), stdin=subprocess.PIPE, stdout=out,
+                                            stderr=err, preexec_fn=self._preexec(nproc), start_new_session=True,
+                                            close_fds=True, pass_fds=pass_fds)
+                    watcher = _Watcher(proc.pid, self.limits, count_processes=not self.as_root)
+                    watcher.start()
+                    run = _Run(proc, watcher, out_path, err_path, self.limits, prelude)
+                    try:
+                        yield run
+                    finally:
+                        watcher.done.set()
+                        _kill_group(proc.pid)
+                        proc.wait()
+                        watcher.join()
+                        run.collect()
         finally:
             self._slots.put(slot)
 
-    def _run(self, code: str, slot: int) -> SandboxResult:
-        lim = self.limits
-        if self.as_root:
-            uid = SLOT_UID_BASE + slot
-            code = (f"import os as _o\n_o.setgroups([]); _o.setgid({uid}); _o.setuid({uid})\ndel _o\n") + code
-            nproc = lim.max_processes
-        else:
-            nproc = _user_processes() + lim.max_processes
-        start = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="reinforge-sandbox-") as tmp:
-            out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-            with open(out_path, "wb") as out, open(err_path, "wb") as err:
-                proc = subprocess.Popen(self._command(), stdin=subprocess.PIPE, stdout=out, stderr=err,
-                                        preexec_fn=self._preexec(nproc), start_new_session=True, close_fds=True)
-                timed_out = False
+    def run(self, code: str) -> SandboxResult:
+        """Run `code` (a Python program) and classify how it ended; never raises for what the code does."""
+        with self._launch(lambda prelude: ["-"]) as run:
+            try:
+                run.proc.communicate((run.prelude + code).encode(), timeout=self.limits.timeout_s)
+            except subprocess.TimeoutExpired:
+                run.timed_out = True
+        return run.result
+
+    @contextmanager
+    def session(self, code: str):
+        """The program `code` loaded in a sandboxed interpreter that then answers calls (Session.call) until
+        the block ends; `Session.result` tells how the process ended."""
+        read_fd, write_fd = os.pipe()
+        program = SESSION_BOOTSTRAP.format(fd=write_fd, max_value=MAX_VALUE_CHARS)
+        try:
+            with self._launch(lambda prelude: ["-c", prelude + program], pass_fds=(write_fd,)) as run:
+                os.close(write_fd)  # the sandboxed program holds the only write end: EOF when it ends
+                write_fd = -1
+                session = Session(run, read_fd, time.monotonic() + self.limits.timeout_s)
                 try:
-                    proc.communicate(code.encode(), timeout=lim.timeout_s)
-                except subprocess.TimeoutExpired:
-                    timed_out = True
+                    session.start(code)
+                    yield session
                 finally:
-                    _kill_group(proc.pid)
-                    proc.wait()
-            stdout, out_size = _read_capped(out_path, lim.max_output_bytes)
-            stderr, _ = _read_capped(err_path, lim.max_output_bytes)
-        rc = proc.returncode
-        if timed_out or rc in (128 + signal.SIGXCPU, -signal.SIGXCPU, 128 + signal.SIGKILL, -signal.SIGKILL):
+                    session.close()
+        finally:
+            if write_fd >= 0:
+                os.close(write_fd)
+            os.close(read_fd)
+        session.result = run.result
+
+
+@contextmanager
+def _no_uid():
+    yield None
+
+
+class _Run:
+    """One sandboxed process and how it ended (`result`, filled in by collect())."""
+
+    def __init__(self, proc, watcher: _Watcher, out_path: str, err_path: str, limits: SandboxLimits, prelude: str):
+        self.proc, self.watcher, self.limits, self.prelude = proc, watcher, limits, prelude
+        self.out_path, self.err_path = out_path, err_path
+        self.timed_out = False
+        self.start = time.perf_counter()
+        self.result: SandboxResult | None = None
+
+    def collect(self) -> None:
+        lim = self.limits
+        stdout, out_size = _read_capped(self.out_path, lim.max_output_bytes)
+        stderr, _ = _read_capped(self.err_path, lim.max_output_bytes)
+        rc = self.proc.returncode
+        if self.watcher.reason:
+            status = self.watcher.reason
+        elif self.timed_out or rc in (128 + signal.SIGXCPU, -signal.SIGXCPU, 128 + signal.SIGKILL, -signal.SIGKILL):
             status = "timeout"
         elif out_size >= lim.max_output_bytes or "File too large" in stderr[-500:]:
             status = "output_limit"
@@ -181,7 +362,152 @@ class Sandbox:
                                      "it needs user namespaces (or root). Code is not run unconfined.")
         else:
             status = "error"
-        return SandboxResult(status, rc, stdout, stderr, time.perf_counter() - start)
+        self.result = SandboxResult(status, rc, stdout, stderr, time.perf_counter() - self.start)
+
+
+# The program a session runs inside the sandbox. It loads the solution (the first line of stdin, JSON), then
+# answers each request line {"id", "fn", "args", "kwargs"} with {"id", "value": repr(result)} or {"id",
+# "raised": exception name} on the pipe `fd`, which only this process holds. Nothing it sends is trusted: the
+# host parses values with ast.literal_eval, checks ids, and compares them with expected results it never sent.
+SESSION_BOOTSTRAP = r"""
+import ast as _ast, json as _json, os as _os, sys as _sys
+
+def _send(message):
+    _os.write({fd}, (_json.dumps(message) + "\n").encode())
+
+_ns = {{"__name__": "__main__"}}
+try:
+    exec(compile(_json.loads(_sys.stdin.readline()), "<solution>", "exec"), _ns)
+    _send({{"loaded": True}})
+except MemoryError:
+    raise  # the run ends on it: status memory
+except BaseException as _e:
+    _send({{"loaded": False, "error": type(_e).__name__}})
+for _line in _sys.stdin:
+    _request = _json.loads(_line)
+    try:
+        _value = _ns[_request["fn"]](*_ast.literal_eval(_request["args"]), **_ast.literal_eval(_request["kwargs"]))
+        _send({{"id": _request["id"], "value": repr(_value)[:{max_value}]}})
+    except MemoryError:
+        raise
+    except BaseException as _e:
+        _send({{"id": _request["id"], "raised": type(_e).__name__}})
+"""
+MAX_VALUE_CHARS = 1 << 16
+
+
+class SessionClosed(Exception):
+    """The sandboxed program ended, or answered what was not asked: `status` says which."""
+
+    def __init__(self, status: str):
+        super().__init__(status)
+        self.status = status
+
+
+class Session:
+    """Requests to a running sandboxed program and its answers, read from a pipe with the run's deadline."""
+
+    def __init__(self, run: _Run, read_fd: int, deadline: float):
+        self.run, self.read_fd, self.deadline = run, read_fd, deadline
+        self.buffer = b""
+        self.loaded: bool | None = None
+        self.closed: str | None = None  # why the program stopped answering (then every call raises)
+        self.result: SandboxResult | None = None
+
+    def start(self, code: str) -> None:
+        """Send the solution; `loaded` says whether it ran to its end without raising; `closed` why the program
+        ended instead (it exited, or was killed, while loading)."""
+        try:
+            self._write(code)
+            self.loaded = self._read().get("loaded") is True
+        except SessionClosed as closed:
+            self.closed = closed.status
+
+    def _write(self, payload) -> None:
+        try:
+            self.run.proc.stdin.write((json.dumps(payload) + "\n").encode())
+            self.run.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise SessionClosed("exited") from None
+
+    def _read(self) -> dict:
+        try:
+            return self._read_message()
+        except SessionClosed as closed:
+            self.closed = closed.status
+            raise
+
+    def _read_message(self) -> dict:
+        while b"\n" not in self.buffer:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                self.run.timed_out = True
+                raise SessionClosed("timeout")
+            ready, _, _ = select.select([self.read_fd], [], [], min(left, 0.5))
+            if not ready:
+                if self.run.proc.poll() is not None and not self.run.watcher.reason:
+                    raise SessionClosed("exited")
+                if self.run.watcher.reason:
+                    raise SessionClosed(self.run.watcher.reason)
+                continue
+            chunk = os.read(self.read_fd, 1 << 16)
+            if not chunk:
+                raise SessionClosed(self.run.watcher.reason or "exited")
+            self.buffer += chunk
+            if len(self.buffer) > 4 * MAX_VALUE_CHARS:
+                raise SessionClosed("tampered")
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        try:
+            message = json.loads(line)
+        except ValueError:
+            raise SessionClosed("tampered") from None
+        if not isinstance(message, dict):
+            raise SessionClosed("tampered")
+        return message
+
+    def call(self, fn: str, args: tuple, kwargs: dict) -> tuple[str, object]:
+        """("value", the result as a plain Python literal) or ("raised", exception name) or ("unplain", why);
+        SessionClosed when the program ended or answered out of turn."""
+        if self.closed:
+            raise SessionClosed(self.closed)
+        request_id = secrets.token_hex(8)
+        self._write({"id": request_id, "fn": fn, "args": repr(tuple(args)), "kwargs": repr(dict(kwargs))})
+        message = self._read()
+        if message.get("id") != request_id:
+            raise SessionClosed("tampered")
+        if "raised" in message:
+            return "raised", str(message["raised"])
+        import ast
+
+        text = message.get("value")
+        if not isinstance(text, str):
+            raise SessionClosed("tampered")
+        try:
+            return "value", ast.literal_eval(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return "unplain", f"not a plain value: {text[:60]!r}"
+
+    def close(self) -> None:
+        """No more requests: the program's loop ends and it exits."""
+        try:
+            self.run.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.run.proc.wait(timeout=max(0.1, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.run.timed_out = True
+
+
+def _user_processes() -> int:
+    uid, count = os.getuid(), 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                count += os.stat(f"/proc/{pid}").st_uid == uid
+            except OSError:
+                pass
+    return count
 
 
 def _kill_group(pgid: int) -> None:

@@ -16,6 +16,7 @@ from components.rollout.completions import EngineOptions
 from components.rollout.multi_turn import MultiTurnSettings
 from components.rollout.pool import EnginePool
 from components.rollout.worker import RolloutWorker
+from components.shutdown import reclaim_signals
 from components.training.distributed import GroupSpec
 from components.training.loop import balanced_shards
 from components.algorithms.presets import resolve
@@ -42,6 +43,7 @@ def ensure_ray() -> None:
                  log_to_driver=True, configure_logging=False,
                  _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False,
                                  "worker_niceness": 0})
+    reclaim_signals()
 
 
 class StageTimeout(TimeoutError):
@@ -268,18 +270,57 @@ def rebuild_workers(workers: Workers, cfg: Config) -> Workers:
     return start_workers(cfg)
 
 
-@ray.remote(num_cpus=0, max_retries=3, retry_exceptions=False)
-def _score_task(texts, truths, sources, extras, reward_cfg, scorers):
-    from components.rewards.registry import score_batch
+class RewardScorer:
+    """Scores rewards in a process of its own (a Ray actor), so a scorer that hangs can be killed with its
+    whole process tree and one that kills its process is retried on a restarted actor."""
 
-    return score_batch(texts, truths, sources, extras, reward_cfg, scorers)
+    def pid(self) -> int:
+        return os.getpid()
+
+    def score(self, texts, truths, sources, extras, reward_cfg, scorers):
+        from components.rewards.registry import score_batch
+
+        return score_batch(texts, truths, sources, extras, reward_cfg, scorers)
+
+
+_scorer: dict = {}  # the RewardScorer actor of this driver's Ray session (job id -> handle)
+
+
+def _scorer_actor():
+    job = ray.get_runtime_context().get_job_id()
+    if job not in _scorer:
+        _scorer.clear()
+        # a dead process is restarted and the call retried (same inputs, same rewards); an exception is not
+        _scorer[job] = ray.remote(num_cpus=0, max_restarts=3, max_task_retries=3)(RewardScorer).remote()
+    return _scorer[job]
 
 
 def score_in_worker(texts, truths, sources, extras, reward_cfg):
-    """score_batch in a Ray task: a scorer that kills its process (a segfault, the OOM killer) is retried in a
-    new one with the same inputs, so with the same result; a scorer that raises fails at once, naming the
-    sample (Ray does not retry exceptions). The scorers are resolved here and shipped with the task."""
-    from components.rewards.registry import scorers_for
+    """score_batch in the RewardScorer actor, bounded by trainer.stage_timeout_s: a scorer that kills its process
+    (a segfault, the OOM killer) is retried in a new one with the same inputs, so with the same result; a
+    scorer that raises fails at once, naming the sample; one that runs past the timeout has its process tree
+    killed and stops the run (RewardError: a retry would hang again). The scorers are resolved here and shipped
+    with the call."""
+    from components.errors import ReinforgeError, RewardError
+    from components.rewards.registry import scorer_name, scorers_for
 
     ensure_ray()
-    return ray.get(_score_task.remote(texts, truths, sources, extras, reward_cfg, scorers_for(sources, reward_cfg)))
+    scorers = scorers_for(sources, reward_cfg)
+    actor = _scorer_actor()
+    pid = ray.get(actor.pid.remote())
+    timeout = reward_cfg.trainer.stage_timeout_s
+    ref = actor.score.remote(texts, truths, sources, extras, reward_cfg, scorers)
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        kill_tree(pid)
+        ray.kill(actor, no_restart=True)
+        _scorer.clear()
+        names = ", ".join(sorted({scorer_name(f) for f in scorers.values()}))
+        raise RewardError(f"scoring {len(texts)} responses with {names} did not finish within "
+                          f"trainer.stage_timeout_s={timeout:g} s; the scorer's process and every process it started "
+                          "were killed. Make the reward function faster, or raise trainer.stage_timeout_s.") from None
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, ReinforgeError):  # our message, not Ray's wrapper around it
+            raise exc.cause from None
+        raise

@@ -14,6 +14,7 @@ from components.rewards.registry import REWARDS
 from components.rl import add_advantages, add_rewards, concat_rounds, first_groups, informative_rows
 
 REWARD_CFG = load_config(None)
+ACCEPT_ALL = load_config(None, ["reward.max_invalid_frac=1.0"])
 
 
 @pytest.fixture
@@ -56,8 +57,8 @@ def test_invalid_rewards_never_reach_the_loss(nan_scorer, tokenizer):
     from components.training.actor import PolicyTrainer, UpdateSettings
     from tests.conftest import make_model
 
-    texts = ["nan", "none", "inf", "nan", "none", "inf"]  # every reward invalid
-    batch, _ = add_rewards(rollout(), texts, REWARD_CFG)
+    texts = ["nan", "none", "inf", "nan", "none", "inf"]  # every reward invalid (a run would stop on it:
+    batch, _ = add_rewards(rollout(), texts, ACCEPT_ALL)  # test_too_many_invalid_rewards_stop_the_run)
     batch, _ = add_advantages(batch, resolve(AlgorithmConfig(name="grpo")))
     torch.manual_seed(0)
     model = make_model(tokenizer)
@@ -69,6 +70,32 @@ def test_invalid_rewards_never_reach_the_loss(nan_scorer, tokenizer):
     assert all(math.isfinite(v) for v in metrics.values()), metrics
     for k, v in model.named_parameters():  # nothing reached the loss, so nothing moved
         assert torch.equal(before[k], v.detach()), k
+
+
+def test_too_many_invalid_rewards_stop_the_run(nan_scorer):
+    from components.errors import RewardError
+
+    batch = rollout()
+    batch.meta["iteration"] = 1
+    with pytest.raises(RewardError, match=r"iteration 1: 4 of 6 rewards are invalid .*'test/invalid'.* more than "
+                                          r"reward\.max_invalid_frac=0\.5"):
+        add_rewards(batch, ["nan", "none", "inf", "nan", "1", "1"], REWARD_CFG)
+
+
+def test_a_reward_of_the_wrong_type_names_the_function_sample_and_type():
+    from components.errors import RewardError
+    from components.rewards.registry import score_batch
+
+    def answers_yes(text, truth, extra):
+        return text == truth  # a bool: 1.0 and 0.0 were meant, True reads as no reward at all
+
+    REWARDS["test/bool"] = lambda rm: answers_yes
+    try:
+        with pytest.raises(RewardError, match=r"reward function .*answers_yes returned bool True for sample 0 "
+                                              r"\(data_source 'test/bool', response '1'\)"):
+            score_batch(["1", "2"], ["1", "1"], ["test/bool"] * 2, [{}, {}], REWARD_CFG)
+    finally:
+        del REWARDS["test/bool"]
 
 
 def test_overlong_penalty_goes_into_rewards_not_scores():

@@ -1,5 +1,6 @@
 """DVC in a temp git repo: repro runs every stage, a second repro does nothing, a param change re-runs
-only what reads it, and `dvc metrics show` prints the accuracies."""
+only what reads it, `dvc metrics show` prints the accuracies, and experiments compare without touching the
+workspace's run. The stages run from a shell without the venv activated (scripts/py finds it)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 
 
-def sh(cmd: list[str], cwd: Path, env: dict) -> str:
+def sh(cmd: list[str], cwd: Path, env: dict, stdout_only: bool = False) -> str:
     res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, f"{cmd} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
-    return res.stdout + res.stderr
+    return res.stdout if stdout_only else res.stdout + res.stderr
 
 
 def set_keys(cfg: dict, overrides: list[str]) -> None:
@@ -48,26 +49,47 @@ def repo(tmp_path_factory, prefect_api):
     local = [o for o in small_overrides(".") if not o.split("=")[0].endswith(("_dir", "_path", ".path"))]
     set_keys(cfg, local)
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "MLFLOW_TRACKING_URI": f"sqlite:///{repo}/m.db",
-           "PYTHONPATH": str(repo)}
-    env["PREFECT_API_URL"] = prefect_api  # the stages report to one server instead of starting one each
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
-                ["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init"]):
-        sh(cmd, repo, env)
+    (repo / ".venv").symlink_to(VENV_BIN.parent)  # the checkout's own venv, as `make install` leaves it
+    # no venv on PATH, none activated: dvc is called by its path, the stages find the venv through scripts/py
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env.update(PATH="/usr/local/bin:/usr/bin:/bin", MLFLOW_TRACKING_URI=f"sqlite:///{repo}/m.db",
+               PREFECT_API_URL=prefect_api)  # the stages report to one server instead of starting one each
+    git(repo, env, "init", "-q")
+    commit(repo, env, "init")
     return repo, env
+
+
+DVC = str(VENV_BIN / "dvc")
+
+
+def git(repo: Path, env: dict, *args: str) -> str:
+    return sh(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], repo, env)
+
+
+def commit(repo: Path, env: dict, message: str) -> None:
+    git(repo, env, "add", "-A")
+    git(repo, env, "commit", "-qm", message)
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    import hashlib
+
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_repro_all_then_nothing_then_only_dependents(repo):
     repo, env = repo
-    first = sh(["dvc", "repro"], repo, env)
+    first = sh([DVC, "repro"], repo, env)
     for stage in ("prepare", "clean", "sft", "train", "evaluate"):
         assert f"Running stage '{stage}'" in first
-    metrics = sh(["dvc", "metrics", "show"], repo, env)
+    metrics = sh([DVC, "metrics", "show"], repo, env)
     assert "sft.acc" in metrics and "final.acc" in metrics
 
-    second = sh(["dvc", "repro"], repo, env)
+    second = sh([DVC, "repro"], repo, env)
     assert "Running stage" not in second
-    assert "up to date" in sh(["dvc", "status"], repo, env)
+    assert "up to date" in sh([DVC, "status"], repo, env)
+    commit(repo, env, "the pipeline's results")  # dvc.lock and metrics/eval.json, as a user commits them
     # a changed training parameter re-runs only train and evaluate: test_repro_killed_mid_training_... below
 
 
@@ -84,27 +106,67 @@ def test_repro_killed_mid_training_resumes_and_ends_clean(repo):
     cfg["algorithm"]["clip_epsilon"] = 0.25  # train must run again
     cfg["trainer"]["save_interval"] = 1
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    ckpts = repo / "checkpoints" / "grpo" / "checkpoints"
-    before = {p.name: p.stat().st_mtime for p in ckpts.glob("iter_*")}
-    proc = subprocess.Popen(["dvc", "repro"], cwd=repo, env=env, stdout=subprocess.DEVNULL,
+    runs = repo / "checkpoints" / "grpo" / "runs"
+    main_run = snapshot(runs)  # the first configuration's run: never touched by another one
+    proc = subprocess.Popen([DVC, "repro"], cwd=repo, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
     while time.time() < deadline:  # wait for a checkpoint of the new run, then kill the whole repro
-        fresh = [p for p in ckpts.glob("iter_*") if before.get(p.name) != p.stat().st_mtime]
+        fresh = [p for p in runs.glob("*/checkpoints/iter_*") if p.relative_to(runs).as_posix() + "/state.json"
+                 not in main_run]
         if fresh:
             break
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(60)
     assert fresh, "no checkpoint appeared before the deadline"
-    out = sh(["dvc", "repro"], repo, env)
+    out = sh([DVC, "repro"], repo, env)
     assert "Running stage 'train'" in out and "Running stage 'evaluate'" in out
     for stage in ("prepare", "clean", "sft"):
         assert f"Running stage '{stage}'" not in out
-    assert (ckpts / fresh[0].name).is_dir()  # what the killed run saved survived the second repro
-    assert not list(ckpts.glob(".tmp_*"))
-    status = sh(["dvc", "status"], repo, env)
+    assert fresh[0].is_dir()  # what the killed run saved survived the second repro
+    assert not list(fresh[0].parent.glob(".tmp_*"))
+    assert {k: v for k, v in snapshot(runs).items() if k in main_run} == main_run
+    status = sh([DVC, "status"], repo, env)
     assert "up to date" in status, status
+    commit(repo, env, "clip 0.25")
+
+
+def test_experiments_compare_and_leave_the_workspace_as_it_was(repo):
+    """`dvc exp run --temp -S ...` trains the changed configuration beside the workspace's run (never resuming,
+    overwriting or deleting it), `dvc exp show` lists both accuracies, `dvc metrics diff` loads HEAD, and a
+    failing experiment leaves the config file as it was."""
+    import json
+
+    repo, env = repo
+    config = (repo / "configs" / "arith_grpo.yaml").read_bytes()
+    workspace = snapshot(repo / "checkpoints" / "grpo")
+    key = "configs/arith_grpo.yaml:"
+    sh([DVC, "exp", "run", "--temp", "-S", f"{key}algorithm.kl_loss_coef=0.04", "-S", f"{key}trainer.iterations=5"],
+       repo, env)
+    shown = json.loads(sh([DVC, "exp", "show", "--json"], repo, env, stdout_only=True))
+    accs = []
+    for rev in shown:  # the workspace, HEAD with its experiments
+        for exp in [rev, *(e for group in rev.get("experiments") or [] for e in group["revs"])]:
+            metrics = ((exp.get("data") or {}).get("metrics") or {}).get("metrics/eval.json", {}).get("data", {})
+            if "final" in metrics:
+                accs.append((metrics["iterations"], metrics["final"]["acc"]))
+    assert {it for it, _ in accs} >= {5, 4}, accs  # the experiment (5 iterations) and the workspace's run (4)
+    assert "final.acc" in sh([DVC, "metrics", "diff", "--all", "HEAD~1"], repo, env)  # HEAD's metrics load
+    res = subprocess.run([DVC, "exp", "run", "--temp", "-S", f"{key}trainer.iterations=1"], cwd=repo, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode != 0 and "trainer.iterations=1 is fewer than the" in res.stdout + res.stderr
+    assert (repo / "configs" / "arith_grpo.yaml").read_bytes() == config  # never rewritten
+    assert snapshot(repo / "checkpoints" / "grpo") == workspace
+
+
+def test_an_edited_reward_function_reruns_training(repo):
+    """rewards/ (custom_reward_function.path) is a dependency of train and evaluate: an edit reruns them."""
+    repo, env = repo
+    (repo / "rewards" / "example.py").write_text((repo / "rewards" / "example.py").read_text() + "\n# edited\n")
+    status = sh([DVC, "status"], repo, env)
+    assert "train:" in status and "evaluate:" in status and "rewards" in status
+    git(repo, env, "checkout", "--", "rewards/example.py")
 
 
 def test_dataset_edited_behind_dvcs_back_stops_training(repo):
@@ -115,7 +177,7 @@ def test_dataset_edited_behind_dvcs_back_stops_training(repo):
     train = repo / "data" / "clean" / "train.parquet"
     table = pq.read_table(train)
     pq.write_table(table.slice(1), train)  # one row fewer, still a valid parquet
-    res = subprocess.run([sys.executable, "-m", "flows.train", "--config", "configs/arith_grpo.yaml"], cwd=repo,
+    res = subprocess.run(["scripts/py", "-m", "flows.train", "--config", "configs/arith_grpo.yaml"], cwd=repo,
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 2  # our error, not a crash: the CLI's last word names the file and the fix
     last = res.stderr.strip().splitlines()[-1]

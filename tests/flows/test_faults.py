@@ -202,3 +202,88 @@ def test_two_engines_with_health_checks_survive_one_killed(start):
     restarts = client.get_metric_history(info["run_id"], "rollout/engine_restarts")
     assert killed and sorted(m.step for m in restarts) == [1, 2, 3]
     assert sum(m.value for m in restarts) >= 1 and info["iterations"] == 3
+
+
+def _tree(pid: int) -> list:
+    import psutil
+
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _left(procs: list) -> list:
+    import psutil
+
+    alive = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_stops_the_run_at_once_leaving_nothing_and_a_resume_is_exact(start, whole, prefect_api, sig):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM to the process: it exits
+    within 15 s with one line saying how to resume, every process it started (Ray, workers) is gone, its
+    MLflow run is KILLED, and the resumed run ends equal to the uninterrupted one."""
+    from flows.train import train_flow
+
+    root, ov = start
+    out = root / f"signalled_{sig.name}"
+    cmd = [sys.executable, "-m", "flows.train", "--config", "configs/arith_grpo.yaml", *ov, f"trainer.output_dir={out}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_API_URL": prefect_api}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and latest_checkpoint(out) != "iter_000002" and proc.poll() is None:
+        time.sleep(0.05)
+    tree = _tree(proc.pid)
+    assert any("ray::" in " ".join(p.cmdline()) for p in tree)  # its Ray workers are running
+    sent = time.time()
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    output, _ = proc.communicate(timeout=60)
+    assert time.time() - sent < 15 and proc.returncode == 128 + sig, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(f"error: interrupted ({sig.name}) at iteration") and "run the same command" in last
+    assert "Traceback" not in output
+    assert not _left(tree), _left(tree)
+    run_id = json.loads((run_dir(out) / "checkpoints" / "iter_000002" / "state.json").read_text())["mlflow_run_id"]
+    assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(run_id).info.status == "KILLED"
+    resumed = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={out}"])
+    assert resumed["run_id"] == run_id and _same_final_model(whole, resumed)
+
+
+def test_a_dead_prefect_server_stops_the_run_within_one_stage(start):
+    """The in-process Prefect server dies mid-run: the run stops at the next iteration boundary with a message,
+    its checkpoint intact, nothing left running (it used to train on blind, then drain events for hours)."""
+    root, ov = start
+    out = root / "prefect_died"
+    cmd = [sys.executable, "-m", "flows.train", "--config", "configs/arith_grpo.yaml", *ov, f"trainer.output_dir={out}"]
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # its own in-process server
+    proc = subprocess.Popen(cmd, env={**env, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and latest_checkpoint(out) != "iter_000001" and proc.poll() is None:
+        time.sleep(0.05)
+    tree = _tree(proc.pid)
+    (server,) = [p for p in proc_children(proc.pid) if "uvicorn" in " ".join(p.cmdline())]
+    server.kill()
+    killed = time.time()
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, output[-3000:]
+    assert f"error: Prefect's in-process API server (pid {server.pid}) has died at iteration" in output
+    assert "run the same command to resume" in output
+    assert time.time() - killed < 60 and not _left(tree)
+    ckpt = run_dir(out) / "checkpoints"
+    checkpoints.verify(ckpt / (ckpt / "latest").read_text().strip())
+
+
+def proc_children(pid: int) -> list:
+    import psutil
+
+    return psutil.Process(pid).children()

@@ -79,3 +79,33 @@ def test_the_cache_key_names_the_config_the_stage_reads(tmp_path, prefect_harnes
         return prepare_data(cfg, return_state=True).name
 
     assert [prep(cfg), prep(unrelated), prep(other)] == ["Completed", "Cached", "Completed"]
+
+
+def test_another_checkout_never_gets_this_ones_cached_results(tmp_path, prefect_api):
+    """Two checkouts of the project on one machine, the same stage with the same config: each runs it once
+    (its results persist under its own .prefect-results), and neither is served the other's result."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True).stdout.split()
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_RESULTS_LOCAL_STORAGE_PATH"}  # as a new shell
+    env.update(PREFECT_API_URL=prefect_api, PYTHONPATH="")
+    outputs = {}
+    for name in ("a", "b", "a"):
+        checkout = tmp_path / name
+        if not checkout.exists():
+            for f in files:
+                (checkout / f).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(root / f, checkout / f)
+        work = tmp_path / "work"  # the same absolute data paths for both: only the checkout differs
+        res = subprocess.run([sys.executable, "-m", "flows.data", "--step", "prepare", *small_overrides(work)],
+                             cwd=checkout, env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-2000:]
+        outputs.setdefault(name, []).append(res.stderr)
+    a_first, a_again = outputs["a"]
+    assert "taken from the cache" not in a_first and "taken from the cache" in a_again  # its own cache works
+    assert "taken from the cache" not in outputs["b"][0]  # b ran the stage itself, with a's result on disk
+    assert all(any((tmp_path / name / ".prefect-results").iterdir()) for name in ("a", "b"))

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from components.models import build_char_tokenizer, build_tiny_model, save_pretrained
 from tests.flows.conftest import small_overrides
 
-CONFIG = "configs/arith_grpo.yaml"
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "arith_grpo.yaml")
 
 
 def base_model(path: Path, hidden: int = 32, template: bool = False) -> Path:
@@ -221,3 +221,82 @@ def test_sft_needs_an_answer_per_row_that_fits_the_model(user_project, prefect_h
     err = capsys.readouterr().err
     assert "3 rows are longer than actor.model.max_seq_len=64 tokens (prompt + answer)" in err, err
     assert not (user_project / "sft").exists()
+
+
+# ---- rewards that cannot be trained on stop the run; services that do not answer stop it at once ---------------
+
+def _reward_file(root: Path, body: str) -> str:
+    (root / "rewards").mkdir(exist_ok=True)
+    (root / "rewards" / "mine.py").write_text(f"import time\n\ndef compute_score(text, truth, extra):\n    {body}\n")
+    return "custom_reward_function.path=rewards/mine.py"
+
+
+@pytest.mark.slow
+def test_a_bool_returning_reward_stops_the_run_at_iteration_one(user_project, prefect_harness, ray_local, capsys,
+                                                                monkeypatch):
+    monkeypatch.chdir(user_project)  # a custom reward file lives inside the project
+    rc, err = run_train(overrides(user_project, _reward_file(user_project, "return text.strip() == truth")), capsys)
+    assert rc == 2 and "returned bool False for sample 0" in err and "compute_score" in err, err
+    assert "Traceback" not in err
+    client = MlflowClient(f"sqlite:///{user_project}/mlruns.db")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FAILED" and not client.get_metric_history(run.info.run_id, "actor/pg_loss")
+
+
+@pytest.mark.slow
+def test_a_sleeping_reward_is_killed_at_the_stage_timeout_with_no_process_left(user_project, prefect_harness,
+                                                                               ray_local, capsys, monkeypatch):
+    import time
+
+    import psutil
+
+    monkeypatch.chdir(user_project)
+    start = time.monotonic()
+    rc, err = run_train(overrides(user_project, _reward_file(user_project, "time.sleep(600)"),
+                                  "trainer.stage_timeout_s=5"), capsys)
+    assert rc == 2 and "did not finish within trainer.stage_timeout_s=5 s" in err, err
+    assert time.monotonic() - start < 60
+    left = [p for p in psutil.Process().children(recursive=True) if "RewardScorer" in " ".join(p.cmdline())]
+    assert not left
+
+
+def test_a_custom_reward_outside_the_project_is_refused_at_config_validation(tmp_path, capsys, monkeypatch):
+    from flows.train import main
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (tmp_path / "outside.py").write_text("def compute_score(a, b, c):\n    return 1.0\n")
+    (project / "two.py").write_text("def compute_score(text, truth):\n    return 1.0\n")
+    monkeypatch.chdir(project)
+    assert main(["--config", CONFIG, f"custom_reward_function.path={tmp_path}/outside.py"]) == 2
+    assert "outside the project" in capsys.readouterr().err
+    assert main(["--config", CONFIG, "custom_reward_function.path=two.py"]) == 2
+    assert "compute_score(text, truth), but a reward function is called as compute_score(response_text, " \
+           "ground_truth, extra_info)" in capsys.readouterr().err
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("variable,value,message", [
+    ("RAY_ADDRESS", "127.0.0.1:{port}", "no Ray cluster answers there"),
+    ("MLFLOW_TRACKING_URI", "http://127.0.0.1:{port}", "no MLflow server answers there"),
+    ("PREFECT_API_URL", "http://127.0.0.1:{port}/api", "no Prefect server answers there"),
+])
+def test_an_unreachable_service_is_one_line_within_the_timeout(capsys, monkeypatch, variable, value, message):
+    import time
+
+    from flows.train import main
+
+    address = value.format(port=_closed_port())
+    monkeypatch.setenv(variable, address)
+    start = time.monotonic()
+    assert main(["--config", CONFIG, "trainer.connect_timeout_s=3"]) == 2
+    err = capsys.readouterr().err
+    assert time.monotonic() - start < 3 + 2
+    assert err.startswith(f"error: {variable}={address}: {message}") and err.count("\n") == 1, err

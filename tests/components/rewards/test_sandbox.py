@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from components.rewards import code_exec
-from components.rewards.sandbox import SLOT_UID_BASE, Sandbox, SandboxLimits, SandboxUnavailable
+from components.rewards.sandbox import SLOT_UID_BASE, UID_RANGE, Sandbox, SandboxLimits, SandboxUnavailable
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap is not installed (`apt-get install -y bubblewrap`; .ci/run does)")
@@ -31,11 +31,11 @@ def sandbox():
 
 
 def sandbox_processes() -> list[psutil.Process]:
-    """Processes left by a sandbox: bwrap itself, or anything running as a sandbox slot's uid."""
+    """Processes left by a sandbox: bwrap itself, or anything running as a sandbox uid."""
     left = []
     for p in psutil.process_iter(["name", "uids"]):
         try:
-            if p.info["name"] == "bwrap" or SLOT_UID_BASE <= p.info["uids"].real < SLOT_UID_BASE + 64:
+            if p.info["name"] == "bwrap" or SLOT_UID_BASE <= p.info["uids"].real < SLOT_UID_BASE + UID_RANGE:
                 left.append(p)
         except (psutil.Error, TypeError, AttributeError):
             continue
@@ -145,7 +145,7 @@ def test_a_billion_characters_of_output_stop_at_the_cap(sandbox):
 
 def test_concurrent_runs_are_limited_to_the_slots():
     box = Sandbox(SandboxLimits(timeout_s=5), concurrency=2)
-    code = "import time, os\nprint(os.getuid())\ntime.sleep(0.5)"
+    code = "import time, os\nprint(os.getuid(), time.monotonic())\ntime.sleep(0.5)\nprint(time.monotonic())"
     results = []
     threads = [threading.Thread(target=lambda: results.append(box.run(code))) for _ in range(4)]
     for t in threads:
@@ -153,9 +153,67 @@ def test_concurrent_runs_are_limited_to_the_slots():
     for t in threads:
         t.join()
     assert all(r.status == "ok" for r in results)
-    if os.getuid() == 0:  # two slots: two uids, each used twice
-        uids = sorted(int(r.stdout) for r in results)
-        assert uids == [SLOT_UID_BASE] * 2 + [SLOT_UID_BASE + 1] * 2
+    spans = sorted((float(r.stdout.split()[1]), float(r.stdout.split()[2])) for r in results)
+    overlapping = max(sum(a <= start < b for a, b in spans) for start, _ in spans)
+    assert overlapping <= 2  # never more than the two slots at once
+    if os.getuid() == 0:  # runs at the same time never share a uid
+        for i, (a, b) in enumerate(spans):
+            same_time = [r for r, (c, d) in zip(results, spans) if c < b and a < d]
+            assert len({r.stdout.split()[0] for r in same_time}) == len(same_time)
+
+
+def test_cpu_is_limited_for_the_whole_process_tree():
+    """8 forked children each burning CPU: RLIMIT_CPU alone allowed each its own 2 s (16 s in all); the tree
+    is stopped at the sandbox's 2 s."""
+    code = ("import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        while True:\n            pass\n"
+            "time.sleep(30)")
+    from dataclasses import replace
+
+    result = Sandbox(replace(LIMITS, max_processes=16)).run(code)
+    assert result.status == "timeout" and result.wall_s < LIMITS.cpu_s + 2.5, result
+
+
+def _sandbox_in_another_process(seconds: float) -> str:
+    """A sandbox run from a fresh Python process: its uid, and whether it could start its own threads."""
+    import subprocess
+    import sys
+
+    code = ("from components.rewards.sandbox import Sandbox, SandboxLimits\n"
+            f"r = Sandbox(SandboxLimits(timeout_s=20, max_processes=8)).run({_THREADS!r} % {seconds})\n"
+            "print(r.status, r.stdout.strip(), r.stderr.strip()[-200:])")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+
+
+_THREADS = ("import os, threading, time\nts = [threading.Thread(target=time.sleep, args=(%s,)) for _ in range(6)]\n"
+            "[t.start() for t in ts]\nprint(os.getuid(), 'threads-ok')\n[t.join() for t in ts]")
+
+
+def test_two_sandboxes_in_two_processes_do_not_interfere():
+    """Each process leases its own uid: one sandbox's 7 threads never count against the other's process
+    limit (both used to get the first slot uid, and one failed with "can't start new thread")."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(_sandbox_in_another_process, [2.0, 2.0]))
+    assert all(o.startswith("ok") and "threads-ok" in o for o in outs), outs
+    if os.getuid() == 0:
+        assert outs[0].split()[1] != outs[1].split()[1]  # two uids
+
+
+def test_only_the_standard_library_imports_unless_allowed(sandbox):
+    code = ("import json, sqlite3\nfor name in ('numpy', 'requests', 'werkzeug'):\n    try:\n"
+            "        __import__(name)\n        print('imported', name)\n    except ImportError:\n"
+            "        print('refused', name)\nimport sys\nsys.path.append(%r)\n"
+            "try:\n    import numpy\n    print('imported numpy from site-packages')\nexcept ImportError:\n"
+            "    print('site-packages is empty here')")
+    import site
+
+    result = sandbox.run(code % site.getsitepackages()[0])
+    assert result.status == "ok", result.stderr
+    assert "imported" not in result.stdout and result.stdout.count("refused") == 3
+    allowed = Sandbox(SandboxLimits(timeout_s=20, allowed_packages=("numpy",))).run(
+        "import numpy\nprint(int(numpy.arange(4).sum()))")
+    assert allowed.status == "ok" and allowed.stdout.strip() == "6", allowed.stderr[-500:]
 
 
 def test_missing_bubblewrap_refuses_instead_of_running_unconfined(monkeypatch):
@@ -167,3 +225,46 @@ def test_missing_bubblewrap_refuses_instead_of_running_unconfined(monkeypatch):
 
     with pytest.raises(SandboxUnavailable, match="bubblewrap"):
         scorer_for("code", load_config(None))
+
+
+# ---- reward hacking: a solution that games the harness scores 0; an honest one still scores 1 ------------------
+
+ADD_TESTS = ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(-5, 7) == 2"]
+HACKS = {
+    # the harness used to exec the tests in the solution's interpreter: a no-op exec made every test "pass"
+    "patched builtins.exec": ("import builtins\nbuiltins.exec = lambda *a, **k: None", "ok"),
+    # ... and printed a result marker the solution could read from the harness's own frame and print first
+    "printed the harness's marker": ("import sys\nf = sys._getframe(1)\n"
+                                     "print([c for c in f.f_code.co_consts if isinstance(c, str)])\n"
+                                     "print('__result__[true, true, true]')", "ok"),
+    "an object equal to everything": ("class Yes:\n    def __eq__(self, other):\n        return True\n"
+                                      "def add(a, b):\n    return Yes()", "ok"),
+    "exited before the tests": ("import os\nos._exit(0)", "exited"),
+    "exited during a test": ("import os\ndef add(a, b):\n    os._exit(0)", "exited"),
+    "forged answers on every descriptor": ("import os\nfor fd in range(3, 64):\n    try:\n"
+                                           "        os.write(fd, b'{\"id\": \"0\", \"value\": \"3\"}\\n')\n"
+                                           "    except OSError:\n        pass\ndef add(a, b):\n    return 0",
+                                           "tampered"),
+    "searched memory for the expected values": ("import gc\ndef add(a, b):\n    found = [o for o in gc.get_objects()"
+                                                " if isinstance(o, str) and 'assert' in o]\n    return len(found)",
+                                                "ok"),
+    "killed its own interpreter": ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", "timeout"),
+}
+
+
+@pytest.mark.parametrize("hack", list(HACKS))
+def test_reward_hacks_score_zero_with_a_named_status(hack):
+    code, status = HACKS[hack]
+    out, _ = score(code, ADD_TESTS)
+    assert out["score"] == 0.0 and out[f"status/{status}"] == 1.0, (hack, out)
+
+
+def test_an_honest_solution_still_scores_one():
+    out, _ = score("def add(a, b):\n    return a + b", ADD_TESTS + ["assert sorted([add(1, 1), 0]) == [0, 2]",
+                                                                  "assert math.isclose(add(0.1, 0.2), 0.3)"])
+    assert out["score"] == 1.0 and out["status/ok"] == 1.0
+
+
+def test_a_test_outside_the_evaluator_is_a_malformed_ground_truth():
+    with pytest.raises(ValueError, match=r"test 'x = add\(1, 2\)' is not one `assert <expression>`"):
+        score("def add(a, b):\n    return a + b", ["x = add(1, 2)"])
