@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from components.errors import RewardError
 from components.config import load_config
 from components.rewards import gsm8k
 from components.rewards.registry import REWARDS, score_batch
@@ -36,7 +37,7 @@ def test_score_batch_counts_invalid_and_names_failing_sample():
     try:
         scores, valid, _ = score_batch(["ok", "bad"], ["1", "1"], ["test/nan"] * 2, [{}, {}], cfg)
         assert scores == [1.0, 0.0] and valid == [True, False] and all(math.isfinite(s) for s in scores)
-        with pytest.raises(RuntimeError, match="sample 0"):
+        with pytest.raises(RewardError, match="sample 0"):
             score_batch(["x"], ["1"], ["test/raise"], [{}], cfg)
         with pytest.raises(KeyError, match="no reward scorer registered"):
             score_batch(["x"], ["1"], ["unknown"], [{}], cfg)

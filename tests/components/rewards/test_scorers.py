@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 
+from components.errors import RewardError
 from components.config import load_config
 from components.errors import ConfigError
 from components.rewards import countdown, math_eq
@@ -95,7 +96,7 @@ def test_custom_reward_function_loaded_by_path(tmp_path, monkeypatch):
     scores, _, subs = score_batch(["x 42", "x"], ["42", "42"], ["anything", "arith"], [{}, {}], cfg)
     assert scores == [1.0, 0.0] and subs == {"length": [4.0, 1.0]}
     broken = load_config(None, ["custom_reward_function.path=rewards/mine.py", "custom_reward_function.name=broken"])
-    with pytest.raises(RuntimeError, match=r"mine.py:5: ZeroDivisionError"):
+    with pytest.raises(RewardError, match=r"mine.py:5: ZeroDivisionError"):
         score_batch(["x"], ["1"], ["arith"], [{}], broken)
 
 
