@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from components.errors import RewardError
 from components.config import load_config
+from components.errors import RewardError
 from components.rewards import gsm8k
 from components.rewards.registry import REWARDS, score_batch
 

@@ -7,9 +7,8 @@ import textwrap
 
 import pytest
 
-from components.errors import RewardError
 from components.config import load_config
-from components.errors import ConfigError
+from components.errors import ConfigError, RewardError
 from components.rewards import countdown, math_eq
 from components.rewards.registry import score_batch, scorer_for
 
