@@ -30,8 +30,8 @@ def run_fingerprint(cfg: Config) -> runs.Fingerprint:
     reward_file = cfg.custom_reward_function.path
     if reward_file:
         inputs["custom_reward_function.path"] = file_md5(reward_file) if Path(reward_file).is_file() else "-"
-    config = {k: v for k, v in training_keys(cfg).items()}
-    return runs.Fingerprint(fingerprint(cfg, **inputs), json.loads(json.dumps(config, default=str)), inputs)
+    config = json.loads(json.dumps(training_keys(cfg), default=str))  # as state.json will hold it
+    return runs.Fingerprint(fingerprint(cfg, **inputs), config, inputs)
 
 
 @stage(name="plan-run")
@@ -124,7 +124,6 @@ def finalize(workers: Workers, tracker: Tracker, cfg: Config, plan: runs.RunPlan
     info = runs.write_info(plan.run_dir, status="finished", final_model=final, model_id=model_id,
                            final_val_acc=last_eval.get("val/acc"), wall_seconds=round(wall_s, 2),
                            experiment=cfg.trainer.experiment_name, run_id=tracker.run_id)
-    info = {**info, "iterations": cfg.trainer.iterations}
     tracker.log_artifact(plan.run_dir / runs.RUN_INFO)
     write_atomic(Path(cfg.trainer.output_dir) / "latest", lambda tmp: Path(tmp).write_text(plan.run_dir.name + "\n"))
     tracker.end("FINISHED")
