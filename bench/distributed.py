@@ -46,25 +46,26 @@ def mixed_batch(vocab: int, rows: int, prompt_len: int, max_resp: int, seed: int
 
 def timed_updates(cfg, batch: Batch, n_workers: int, repeats: int) -> dict:
     """Median seconds per update (after one warm-up) and the peak RSS growth of each worker during them."""
-    from components.training.ray_workers import Workers, start_policy_group, stop_workers
+    from components.plan import make_plan
+    from components.training.ray_workers import policy_group
 
-    actors, pids = start_policy_group(cfg, n_workers)
-    workers = Workers(actors, None, 3600.0, {"policy": pids})
+    group = policy_group(make_plan(cfg), n_workers)
+    pids = group.pids
     try:
         setup = rss_of(pids)()  # model (and reference) loaded, no optimizer state yet
-        workers.call("policy", "update", batch)  # warm-up
+        group.update(batch)  # warm-up
         peaks = PeakSampler(rss_of(pids), 0.02)
         times = []
         with peaks:
             for _ in range(repeats):
                 start = time.perf_counter()
-                metrics = workers.call("policy", "update", batch)
+                metrics = group.update(batch)
                 times.append(time.perf_counter() - start)
         return {"s_per_update": statistics.median(times), "min_s": min(times), "max_s": max(times),
                 "peak_rss_gib": [round(p / 2**30, 3) for p in peaks.peak],
                 "update_rss_gib": [round((p - s) / 2**30, 3) for p, s in zip(peaks.peak, setup)], "metrics": metrics}
     finally:
-        stop_workers(Workers(actors, actors[0]))
+        group.stop()
 
 
 SETTINGS = [  # (name, workers, overrides)

@@ -235,11 +235,14 @@ def evaluate_acc(path: str, n_eval: int, max_new: int) -> float:
     from components.config import load_config
     from components.data.io import read_rows, to_plain
     from components.evaluation import evaluate
+    from components.rewards.registry import score_with_config
     from components.rollout.worker import RolloutWorker
 
     cfg = load_config(CONFIG, [])
     rows = [to_plain(r) for r in read_rows(cfg.data.eval_path).to_dict("records")][:n_eval]
-    return evaluate(RolloutWorker(path), rows, cfg, 1, max_new, SEED)["val/acc"]
+    worker = RolloutWorker(path)
+    return evaluate(lambda chunk, params, seed: worker.generate(chunk, params, seed, iteration=-1), worker.decode,
+                    lambda *batch: score_with_config(*batch, cfg), rows, 1, max_new, SEED)["val/acc"]
 
 
 def summarize(r: dict, rows_per_step: int, prompt_tokens: float, params: int, flops: float) -> dict:

@@ -1,8 +1,8 @@
 """The one batch type that passes between stages: tensors + per-row Python values + meta.
 
-Rows are aligned across every tensor's first dimension and every list in `non_tensors`. A Batch
-serialises to bytes (safetensors for tensors, JSON for the rest), so Prefect and Ray can persist it
-without pickle.
+Rows are aligned across every tensor's first dimension and every list in `non_tensors`. Ray ships a Batch
+between processes as it ships any object; `to_bytes` writes it without pickle (safetensors for tensors, JSON
+for the rest) where it must be stored.
 """
 
 from __future__ import annotations

@@ -1,11 +1,22 @@
-"""Held-out evaluation: greedy accuracy and mean@k / pass@k per data_source."""
+"""Held-out evaluation: greedy accuracy and mean@k / pass@k per data_source.
+
+One function for the training run's periodic test (the rollout group samples, the driver decodes, the
+RewardScorer actor scores: the path training rewards take) and for evaluating a model directory in this
+process (`reinforge evaluate`): only where generation and scoring run differs.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable
 
-from components.rewards.registry import score_batch
+from components.batch import Batch
 from components.rollout.base import SamplingParams
+
+# (rows, params, seed) -> the rollout batch; batch -> texts; (texts, truths, sources, extras) -> scores
+Generate = Callable[[list[dict], SamplingParams, int], Batch]
+Decode = Callable[[Batch], list[str]]
+Score = Callable[[list[str], list[str], list[str], list[dict]], tuple]
 
 
 def accuracy_metrics(scores: list[float], sources: list[str], k: int, prefix: str = "val") -> dict[str, float]:
@@ -21,15 +32,9 @@ def accuracy_metrics(scores: list[float], sources: list[str], k: int, prefix: st
     return out
 
 
-def evaluate(worker, rows: list[dict], reward_cfg, k: int, max_new_tokens: int, seed: int,
-             temperature: float = 1.0, batch_size: int = 256, scorers: dict | None = None) -> dict[str, float]:
-    """Greedy accuracy (`val/<source>/acc`) and sampled mean@k / pass@k on `rows` with a rollout worker.
-    `scorers` (data_source -> scorer, resolved where the config's paths are, shipped by value) score the
-    answers; None resolves them here."""
-    if scorers is None:
-        from components.rewards.registry import scorers_for
-
-        scorers = scorers_for([r["data_source"] for r in rows], reward_cfg)
+def evaluate(generate: Generate, decode: Decode, score: Score, rows: list[dict], k: int, max_new_tokens: int,
+             seed: int, temperature: float = 1.0, batch_size: int = 256) -> dict[str, float]:
+    """Greedy accuracy (`val/<source>/acc`, `val/acc`) and sampled mean@k / pass@k on `rows`."""
     results: dict[str, float] = {}
     for mode, params in (("greedy", SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)),
                          ("sampled", SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens))):
@@ -37,12 +42,9 @@ def evaluate(worker, rows: list[dict], reward_cfg, k: int, max_new_tokens: int, 
         sources: list[str] = []
         calls: list[float] = []
         for start in range(0, len(rows), batch_size):
-            chunk = rows[start:start + batch_size]
-            batch = worker.generate(chunk, params, seed=seed + start, iteration=-1)
-            texts = worker.decode(batch)
+            batch = generate(rows[start:start + batch_size], params, seed + start)
             nt = batch.non_tensors
-            s, _, _ = score_batch(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"], reward_cfg,
-                                  scorers)
+            s, _, _ = score(decode(batch), nt["ground_truth"], nt["data_source"], nt["extra_info"])
             scores += s
             sources += nt["data_source"]
             calls += batch.tensors["tool_calls"].tolist() if "tool_calls" in batch.tensors else []

@@ -5,7 +5,7 @@ Workers and orchestration call these; none of them touches Ray, Prefect or MLflo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -14,12 +14,12 @@ from components.algorithms.losses import explained_variance
 from components.algorithms.shaping import informative_groups, kl_in_reward, overlong_penalty
 from components.batch import Batch
 from components.errors import RewardError
-from components.rewards.registry import score_batch
 from components.rollout.base import RolloutOutput
 from components.rollout.hf import left_pad
 
 if TYPE_CHECKING:
     from components.algorithms.presets import ResolvedAlgorithm
+    from components.plan import RewardSettings
 
 
 def rollout_batch(rows: list[dict], prompt_ids: list[list[int]], out: RolloutOutput, n: int, pad_id: int,
@@ -57,20 +57,24 @@ def _stats(name: str, x: torch.Tensor) -> dict[str, float]:
     return {f"{name}/mean": float(x.mean()), f"{name}/max": float(x.max()), f"{name}/min": float(x.min())}
 
 
-def add_rewards(batch: Batch, texts: list[str], cfg, overlong: tuple[int, int, float] | None = None,
-                baseline_texts: list[str] | None = None, score=score_batch,
+Score = Callable[[list[str], list[str], list[str], list[dict]], tuple[list[float], list[bool], dict]]
+
+
+def add_rewards(batch: Batch, texts: list[str], settings: "RewardSettings", score: Score,
+                baseline_texts: list[str] | None = None,
                 model_scores: list[float] | None = None) -> tuple[Batch, dict[str, float]]:
     """Score each response; the sequence reward sits on its last response token (token_rewards (N, R)).
 
-    overlong = (max_len, buffer_len, factor) adds DAPO's overlong penalty to the reward (not to `scores`).
-    baseline_texts, one greedy completion per row (repeated over the n samples of a prompt), are scored once
-    per prompt into `baseline_values` (N, R) for remax. Rows whose score is invalid get valid = False.
-    `score` has score_batch's signature (the training flow scores in a Ray task that is retried if it dies).
-    model_scores (a reward model's, one per row) are mixed in: score = reward_model.rule_weight x rule score
-    + reward_model.model_weight x model score. Scorers' named sub-scores are logged as reward/<name>/mean.
+    `score(texts, truths, sources, extras)` -> (scores, valid, sub-scores): the training flow's scores in the
+    RewardScorer actor. settings.overlong = (max_len, buffer_len, factor) adds DAPO's overlong penalty to the
+    reward (not to `scores`) when buffer_len > 0. baseline_texts, one greedy completion per row (repeated over
+    the n samples of a prompt), are scored once per prompt into `baseline_values` (N, R) for remax. Rows whose
+    score is invalid get valid = False; more than settings.max_invalid_frac of them is a RewardError.
+    model_scores (a reward model's, one per row) are mixed in: score = rule_weight x rule score + model_weight x
+    model score. Scorers' named sub-scores are logged as reward/<name>/mean.
     """
-    nt, n, rm = batch.non_tensors, batch.meta.get("n", 1), cfg.reward_model
-    scores, valid, subs = score(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"], cfg)
+    nt, n = batch.non_tensors, batch.meta.get("n", 1)
+    scores, valid, subs = score(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"])
     mask = batch.tensors["response_mask"]
     lengths = mask.sum(-1)
     s = torch.tensor(scores, dtype=torch.float32)
@@ -78,10 +82,10 @@ def add_rewards(batch: Batch, texts: list[str], cfg, overlong: tuple[int, int, f
     if model_scores is not None:
         learned = torch.tensor(model_scores, dtype=torch.float32)
         metrics.update({**_stats("reward/rule_score", s), **_stats("reward/model_score", learned)})
-        s = rm.rule_weight * s + rm.model_weight * learned
+        s = settings.rule_weight * s + settings.model_weight * learned
     rewards = s
     invalid = len(valid) - sum(valid)
-    limit = cfg.reward.max_invalid_frac
+    limit = settings.max_invalid_frac
     if invalid > limit * len(valid):
         sources = sorted({src for src, ok in zip(nt["data_source"], valid) if not ok})
         raise RewardError(f"iteration {batch.meta.get('iteration')}: {invalid} of {len(valid)} rewards are invalid (None, NaN or inf; data_source "
@@ -100,13 +104,13 @@ def add_rewards(batch: Batch, texts: list[str], cfg, overlong: tuple[int, int, f
                         "tool_call_rate": float((t["tool_calls"] > 0).float().mean()),
                         "tool_errors/mean": float(t["tool_errors"].mean())})
     extra: dict[str, torch.Tensor] = {}
-    if overlong is not None and overlong[1] > 0:
-        penalty = overlong_penalty(lengths, *overlong)
+    if settings.overlong[1] > 0:
+        penalty = overlong_penalty(lengths, *settings.overlong)
         rewards = s + penalty
         metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
     if baseline_texts is not None:
         per_prompt, _, _ = score(baseline_texts[::n], nt["ground_truth"][::n], nt["data_source"][::n],
-                                 nt["extra_info"][::n], cfg)
+                                 nt["extra_info"][::n])
         base = torch.tensor(per_prompt, dtype=torch.float32).repeat_interleave(n)
         extra["baseline_values"] = base[:, None] * mask
         metrics["reward/greedy_baseline_mean"] = float(base.mean())

@@ -1,7 +1,7 @@
 """Evaluation flow: the SFT checkpoint against the final GRPO model on the held-out split.
 
 `python -m flows.evaluate --config configs/arith_grpo.yaml` writes metrics/eval.json (the DVC stage);
-`python -m flows.evaluate --model_path DIR --eval_data FILE --metric math_acc` scores one model.
+`python -m flows.evaluate --model_path DIR --eval_data FILE` scores one model.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from components.progress import progress_bar
 from components.tracking import runs
 from flows._args import check_config, config_parser, report, run_cli
 from tasks.caching import run_stage
-from tasks.evaluate import METRICS, evaluate_model, write_eval
+from tasks.evaluate import evaluate_model, write_eval
 from tasks.tracking import finished_run_info
 
 
@@ -48,12 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p = config_parser("Evaluate held-out accuracy (greedy acc, mean@k, pass@k).", "reinforge evaluate")
     p.add_argument("--model_path", help="evaluate this model directory alone")
     p.add_argument("--eval_data", help="held-out parquet/jsonl (with --model_path)")
-    p.add_argument("--metric", default="math_acc", help=f"metric: {', '.join(METRICS)}")
     p.add_argument("--output", default="metrics/eval.json", help="where the SFT-vs-final metrics go")
     a = p.parse_args(argv)
-    if a.metric not in METRICS:
-        print(f"error: --metric {a.metric}: unknown; valid: {', '.join(METRICS)}", file=sys.stderr)
-        return 2
     if check_config(a.config, a.overrides, a.debug):
         return 2
     if a.model_path:

@@ -1,93 +1,218 @@
 """The RL training flow: gen -> reward -> [old_log_prob/ref/values] -> adv -> [update_critic] ->
 update_actor (and the weight sync) -> testing -> checkpoint.
 
-Every stage is a task; this flow only orders them, times them and decides when to test and save. With
-DAPO's dynamic sampling, gen and reward repeat (up to algorithm.max_num_gen_batches rounds) until the batch
-holds data.batch_size groups whose rewards differ.
+Every stage is a task (tasks/rl.py, tasks/tracking.py); this flow only orders them. `iteration` is one RL
+iteration; `recover` is what happens when a worker dies; `collect` is generation and rewards, repeated by DAPO's
+dynamic sampling until data.batch_size groups with differing rewards are kept. The run plan (components/
+plan.py) is made once from the config; the flow and the workers read it, never the config.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 from prefect import flow
 
-from components.algorithms.presets import resolve
-from components.algorithms.shaping import KLController, group_counts
-from components.config import load_config
+from components.algorithms.shaping import KLController
+from components.config import Config, load_config
+from components.data.sampler import PromptSampler
 from components.locking import exclusive
 from components.outputs import TRAIN_OUTPUT, check_output, claim_output
+from components.plan import RunPlan, make_plan
+from components.progress import console, iteration_line, progress_bar
+from components.rewards.registry import scorers_for
 from components.services import PrefectWatch
 from components.shutdown import note, on_stop, stop, stopping
-from components.data.sampler import PromptSampler
-from components.tracking import checkpoints
-from components.rl import concat_rounds, first_groups, informative_rows
-from components.progress import console, iteration_line, progress_bar
-from components.training.ray_workers import rebuild_workers, stop_workers
+from components.tracking import checkpoints, runs
+from components.tracking.mlflow_tracker import Tracker
+from components.training.ray_workers import Workers, rebuild_workers, stop_workers
 from flows._args import check_config, config_parser, run_cli, yield_prefect_server
-from tasks.data import load_datasets
 from tasks.common import is_transient, logger
-from tasks.rl import check_inputs, compute_advantages, evaluate_policy, generate_rollouts, prepare_batch, \
-    score_rewards, start_workers, sync_weights, update_critic, update_policy
-from tasks.tracking import checkpoint_metrics, finalize, log_metrics, plan_training, restore_checkpoint, \
+from tasks.data import load_datasets
+from tasks.rl import check_inputs, compute_advantages, evaluate_policy, generate_rollouts, keep_informative, \
+    prepare_batch, score_rewards, start_workers, sync_weights, update_critic, update_policy
+from tasks.tracking import checkpoint_metrics, finalize, plan_resume, restore_checkpoint, \
     run_fingerprint, save_checkpoint, start_run
 
 
-def _add_time(timings: dict, name: str, seconds: float) -> None:
-    """Add seconds to timing_s/{name} (stages that repeat add up)."""
-    key = f"timing_s/{name}"
-    timings[key] = timings.get(key, 0.0) + seconds
+@dataclass
+class Run:
+    """What a training run holds from start to end: the plan, the data, where it writes and logs, its workers
+    (replaced when they are rebuilt) and the loop's position."""
+
+    cfg: Config
+    plan: RunPlan
+    tokenizer: object
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    scorers: dict  # data_source -> scorer, resolved once here
+    resume: runs.ResumePlan
+    fingerprint: runs.Fingerprint
+    tracker: Tracker
+    sampler: PromptSampler
+    kl_ctrl: KLController | None
+    workers: Workers | None = None
+    version: int = 0  # the weights version the rollout engines sample with
+    iteration: int = 1  # the next iteration to run
+    checkpoint: str | None = None  # the last good checkpoint and its state.json
+    state: dict = field(default_factory=dict)
+    scored: tuple | None = None  # (iteration, batch, reward metrics, sampler state) until the iteration is done
+    history: list[dict] = field(default_factory=list)
+
+    def stop_workers(self) -> None:
+        stop_workers(self.workers)
 
 
-def _timed(timings: dict, name: str, fn, *args):
-    """Run fn(*args), adding its seconds to timing_s/{name}."""
-    start = time.perf_counter()
-    out = fn(*args)
-    _add_time(timings, name, time.perf_counter() - start)
-    return out
+class Timer:
+    """timing_s/<stage> of one iteration (stages that repeat add up)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.start = time.perf_counter()
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[f"timing_s/{name}"] = self.seconds.get(f"timing_s/{name}", 0.0) + seconds
+
+    def __call__(self, name: str, fn, *args):
+        start = time.perf_counter()
+        out = fn(*args)
+        self.add(name, time.perf_counter() - start)
+        return out
 
 
-def _collect_batch(timings, workers, sampler, train_rows, tokenizer, cfg, it, version):
+def collect(run: Run, timer: Timer) -> tuple:
     """gen + reward; with dynamic sampling, more rounds until data.batch_size informative groups are kept."""
+    plan = run.plan
+
     def one_round(round_: int):
-        rows = [train_rows[i] for i in sampler.next_indices()]
-        batch = _timed(timings, "gen", generate_rollouts, workers, rows, cfg, it, version, round_)
-        _add_time(timings, "gen_compute", batch.meta.get("gen_seconds", 0.0))  # the rollout worker's own part
-        return _timed(timings, "reward", score_rewards, batch, tokenizer, cfg, workers)
+        rows = [run.train_rows[i] for i in run.sampler.next_indices()]
+        batch = timer("gen", generate_rollouts, run.workers, rows, plan, run.iteration, run.version, round_)
+        timer.add("gen_compute", batch.meta.get("gen_seconds", 0.0))  # the rollout worker's own part
+        return timer("reward", score_rewards, batch, run.tokenizer, plan, run.workers, run.scorers)
 
     batch, metrics = one_round(0)
-    if not resolve(cfg.algorithm).dynamic_sampling:
+    if not plan.algorithm.dynamic_sampling:
         return batch, metrics
-    kept, rounds = [informative_rows(batch)], 1
-    groups = group_counts(kept[0].tensors["group_ids"])  # rounds never share a group: their counts add up
-    while groups < cfg.data.batch_size and rounds < cfg.algorithm.max_num_gen_batches:
-        kept.append(informative_rows(one_round(rounds)[0]))
-        groups += group_counts(kept[-1].tensors["group_ids"])
-        rounds += 1
-    filtered = first_groups(concat_rounds(kept), cfg.data.batch_size)
-    groups = group_counts(filtered.tensors["group_ids"])
-    metrics.update({"dynamic_sampling/groups_kept": float(groups), "dynamic_sampling/gen_rounds": float(rounds)})
-    # no informative group at all: keep the first round, whose advantages are all zero (a no-op policy step)
-    return (filtered if groups else batch), metrics
+    rounds = [batch]
+    kept, groups = keep_informative(rounds, plan.batch_size)
+    while groups < plan.batch_size and len(rounds) < plan.max_gen_rounds:
+        rounds.append(one_round(len(rounds))[0])
+        kept, groups = keep_informative(rounds, plan.batch_size)
+    metrics.update({"dynamic_sampling/groups_kept": float(groups), "dynamic_sampling/gen_rounds": float(len(rounds))})
+    return kept, metrics
 
 
-def _restore(workers, ckpt: str | None, state: dict, sampler: PromptSampler, kl_ctrl: KLController | None,
-             tracker) -> tuple[int, int]:
-    """Fresh workers into the checkpoint's state (or the start when there is none): the policy worker's
-    weights, optimizer and RNG, then the engine, the sampler and the controller. Returns (version, first
-    iteration to run)."""
-    sampler.load_state_dict(state.get("sampler", {**sampler.state_dict(), "epoch": 0, "cursor": 0}))
-    if kl_ctrl is not None:
-        kl_ctrl.load_state_dict(state.get("kl_ctrl", {"value": kl_ctrl.start}))
-    if ckpt is None:
-        return 0, 1
-    restore_checkpoint(workers, ckpt)
-    if state.get("mlflow_run_id") == tracker.run_id:  # its own run: if killed before this was logged
-        log_metrics(tracker, checkpoint_metrics(state), state["iteration"])
-    return sync_weights(workers), state["iteration"] + 1
+def iteration(run: Run) -> dict[str, float]:
+    """One RL iteration; returns its metrics (logged, and checkpointed when due)."""
+    plan, workers, timer, it = run.plan, run.workers, Timer(), run.iteration
+    if run.scored is not None and run.scored[0] == it:  # rebuilt mid-iteration: reuse what was scored,
+        _, batch, m_reward, sampler_state = run.scored  # so each sample is scored once
+        run.sampler.load_state_dict(sampler_state)
+    else:
+        batch, m_reward = collect(run, timer)
+        run.scored = (it, batch, m_reward, run.sampler.state_dict())
+    if plan.algorithm.needs_critic or run.kl_ctrl is not None or workers.reference is not None:
+        batch, t_prep = prepare_batch(workers, batch)
+        timer.seconds.update(t_prep)
+    batch, m_adv = timer("adv", compute_advantages, batch, plan, run.kl_ctrl.value if run.kl_ctrl else None)
+    if run.kl_ctrl is not None:
+        run.kl_ctrl.update(m_adv["actor/reward_kl_penalty"], len(batch))
+    m_critic = timer("update_critic", update_critic, workers, batch) if plan.algorithm.needs_critic else {}
+    m_actor, run.version = update_policy(workers, batch)  # its own timing_s/update_actor, _weights
+    metrics = {**m_reward, **m_adv, **m_critic, **m_actor}
+    if it % plan.test_interval == 0 or it == plan.iterations:
+        metrics.update(timer("testing", evaluate_policy, workers, run.eval_rows, plan, run.tokenizer, run.scorers))
+    metrics["timing_s/step"] = time.perf_counter() - timer.start
+    metrics.update(timer.seconds)
+    # queued (MLflow stores them in the background; the checkpoint waits for them), before the checkpoint: a
+    # crash between the two re-runs `it`
+    run.tracker.log_metrics(metrics, it)
+    if it % plan.save_interval == 0 or it == plan.iterations:  # `it`, whose metrics are not re-logged
+        run.checkpoint, run.state = save_checkpoint(workers, run.tracker, run.cfg, run.resume, it, {
+            "sampler": run.sampler.state_dict(), "weights_version": run.version, **run.fingerprint.state(),
+            **({"kl_ctrl": run.kl_ctrl.state_dict()} if run.kl_ctrl is not None else {})})
+        run.tracker.log_metrics(checkpoint_metrics(run.state), it)
+        metrics.update(checkpoint_metrics(run.state))
+    return metrics
+
+
+def restore(run: Run) -> None:
+    """Fresh workers into the last checkpoint's state (or the start when there is none): the policy worker's
+    weights, optimizer and RNG, then the engine, the sampler and the controller."""
+    run.sampler.load_state_dict(run.state.get("sampler", {**run.sampler.state_dict(), "epoch": 0, "cursor": 0}))
+    if run.kl_ctrl is not None:
+        run.kl_ctrl.load_state_dict(run.state.get("kl_ctrl", {"value": run.kl_ctrl.start}))
+    if run.checkpoint is None:
+        run.version, run.iteration = 0, 1
+        return
+    restore_checkpoint(run.workers, run.checkpoint)
+    if run.state.get("mlflow_run_id") == run.tracker.run_id:  # its own run: if killed before this was logged
+        run.tracker.log_metrics(checkpoint_metrics(run.state), run.state["iteration"])
+    run.version, run.iteration = sync_weights(run.workers), run.state["iteration"] + 1
+
+
+def recover(run: Run, exc: Exception, rebuilds: int) -> None:
+    """A worker died for good (a policy actor is never restarted by Ray, a hung call was killed): new workers
+    from this run's last checkpoint (or its start), then on from there; steps already logged stay once. Any
+    other error, or more than trainer.max_worker_rebuilds, ends the run."""
+    if not is_transient(exc) or rebuilds > run.plan.max_worker_rebuilds:
+        raise exc
+    logger().warning("iteration %d: a worker died (%s); rebuilding from the last checkpoint (%d/%d)", run.iteration,
+                     type(exc).__name__, rebuilds, run.plan.max_worker_rebuilds)
+    run.workers = rebuild_workers(run.workers, run.plan)
+    if run.checkpoint is not None:
+        checkpoints.verify(Path(run.checkpoint))
+    restore(run)
+
+
+def _resume_hint(ckpt: str | None) -> str:
+    return (f"The last checkpoint is {ckpt}: run the same command to resume from it." if ckpt else
+            "No checkpoint was saved yet: run the same command to start again.")
+
+
+def train(run: Run, started: float) -> dict:
+    """Start the workers, restore, run the iterations (recovering from dead workers), save the final model."""
+    t, prefect, rebuilds = run.plan, PrefectWatch(), 0
+    run.workers = start_workers(t)
+    restore(run)
+    with progress_bar("grpo", t.iterations - run.iteration + 1, run.cfg.trainer.progress) as advance:
+        while run.iteration <= t.iterations:
+            note(iteration=f"iteration {run.iteration} of {t.iterations}", resume=_resume_hint(run.checkpoint))
+            problem = prefect.problem()  # at a stage boundary: a dead server stops the run here
+            if problem:
+                stop(problem, 2)
+            try:
+                metrics = iteration(run)
+            except Exception as exc:
+                rebuilds += 1
+                recover(run, exc, rebuilds)
+                continue
+            run.history.append({"step": run.iteration, **metrics})
+            advance(info=f"reward {metrics['critic/score/mean']:.3f}")
+            if run.cfg.trainer.progress:
+                console.print(iteration_line(run.iteration, t.iterations, metrics))
+            run.iteration += 1
+    return finalize(run.workers, run.tracker, run.cfg, run.resume, run.history, time.perf_counter() - started)
+
+
+def open_run(cfg: Config, plan: RunPlan, tokenizer, train_rows, eval_rows, pipeline: str, version: str) -> Run:
+    """What this training continues (refusing, before anything is written, when there is nothing to train),
+    its output directory and its MLflow run."""
+    t = cfg.trainer
+    fingerprint = run_fingerprint(cfg)  # config, data, models, reward: what a checkpoint must match to resume
+    resume = plan_resume(cfg, fingerprint)
+    claim_output(t.output_dir, "trainer.output_dir", TRAIN_OUTPUT, t.run_dir)
+    run_name = f"{pipeline or 'train'}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    tracker = start_run(cfg, pipeline, version, run_name, resume, fingerprint, plan.params)
+    scorers = scorers_for([r["data_source"] for r in train_rows + eval_rows], cfg)
+    kl_ctrl = KLController(*plan.kl_in_reward) if plan.kl_in_reward else None
+    return Run(cfg, plan, tokenizer, train_rows, eval_rows, scorers, resume, fingerprint, tracker,
+               PromptSampler(len(train_rows), plan.batch_size, plan.shuffle, plan.seed), kl_ctrl,
+               checkpoint=str(resume.checkpoint) if resume.checkpoint else None, state=resume.state)
 
 
 @flow(name="rl-train")
@@ -96,119 +221,20 @@ def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | N
     started = time.perf_counter()
     yield_prefect_server()
     cfg = load_config(config, overrides or [])
-    t = cfg.trainer
-    tokenizer = check_inputs(cfg)
+    plan = make_plan(cfg)
+    tokenizer = check_inputs(cfg, plan.algorithm.needs_critic)
     train_rows, eval_rows = load_datasets(cfg, tokenizer)
-    output = check_output(t.output_dir, "trainer.output_dir", TRAIN_OUTPUT, t.run_dir)  # ours to write?
+    output = check_output(cfg.trainer.output_dir, "trainer.output_dir", TRAIN_OUTPUT, cfg.trainer.run_dir)
     with exclusive(output.parent / f".{output.name}.lock", f"a training run in {output}"):
-        return _train(cfg, pipeline, pipeline_version, tokenizer, train_rows, eval_rows, started)
-
-
-def _train(cfg, pipeline: str, pipeline_version: str, tokenizer, train_rows: list[dict], eval_rows: list[dict],
-           started: float) -> dict:
-    t = cfg.trainer
-    run_name = f"{pipeline or 'train'}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
-    fingerprint = run_fingerprint(cfg)  # config, data, models, reward: what a checkpoint must match to resume
-    plan = plan_training(cfg, fingerprint)  # may refuse (nothing to train): nothing is written before this
-    claim_output(t.output_dir, "trainer.output_dir", TRAIN_OUTPUT, t.run_dir)
-    ckpt, state = (str(plan.checkpoint) if plan.checkpoint else None), plan.state
-    tracker = start_run(cfg, pipeline, pipeline_version, run_name, plan, fingerprint)
-    sampler = PromptSampler(len(train_rows), cfg.data.batch_size, cfg.data.shuffle, t.seed)
-    a = cfg.algorithm
-    kl_ctrl = KLController(a.kl_coef, a.kl_ctrl, a.kl_target, a.kl_horizon) if a.use_kl_in_reward else None
-    history: list[dict] = []
-    group = _Group()
-    prefect = PrefectWatch()
-    try:
-        with on_stop("mlflow", lambda: tracker.end("KILLED")), on_stop("workers", group.stop):
-            group.workers = start_workers(cfg)
-            version, it = _restore(group.workers, ckpt, state, sampler, kl_ctrl, tracker)
-            return _loop(cfg, plan, tracker, group, sampler, kl_ctrl, train_rows, eval_rows, tokenizer, fingerprint,
-                         version, it, ckpt, state, history, started, prefect)
-    except BaseException:
-        tracker.end("KILLED" if stopping() else "FAILED")
-        raise
-    finally:
-        group.stop()
-
-
-class _Group:
-    """The run's worker group, replaced when it is rebuilt; stop() stops whichever is current."""
-
-    workers = None
-
-    def stop(self) -> None:
-        if self.workers is not None:
-            stop_workers(self.workers)
-
-
-def _resume_hint(ckpt: str | None) -> str:
-    return (f"The last checkpoint is {ckpt}: run the same command to resume from it." if ckpt else
-            "No checkpoint was saved yet: run the same command to start again.")
-
-
-def _loop(cfg, plan, tracker, group: "_Group", sampler, kl_ctrl, train_rows, eval_rows, tokenizer, fingerprint,
-          version, it, ckpt, state, history, started, prefect) -> dict:
-    t, algo, rebuilds = cfg.trainer, resolve(cfg.algorithm), 0
-    workers = group.workers
-    scored = None  # (iteration, batch, reward metrics, sampler state): kept until the iteration is done
-    with progress_bar("grpo", t.iterations - it + 1, t.progress) as advance:
-        while it <= t.iterations:
-            note(iteration=f"iteration {it} of {t.iterations}", resume=_resume_hint(ckpt))
-            problem = prefect.problem()  # at a stage boundary: a dead server stops the run here
-            if problem:
-                stop(problem, 2)
-            timings: dict[str, float] = {}
-            step_start = time.perf_counter()
-            try:
-                if scored is not None and scored[0] == it:  # rebuilt mid-iteration: reuse what was scored,
-                    _, batch, m_reward, sampler_state = scored  # so each sample is scored once
-                    sampler.load_state_dict(sampler_state)
-                else:
-                    batch, m_reward = _collect_batch(timings, workers, sampler, train_rows, tokenizer, cfg, it,
-                                                     version)
-                    scored = (it, batch, m_reward, sampler.state_dict())
-                if algo.needs_critic or kl_ctrl is not None or workers.reference is not None:
-                    batch, t_prep = prepare_batch(workers, batch)
-                    timings.update(t_prep)
-                batch, m_adv = _timed(timings, "adv", compute_advantages, batch, cfg,
-                                      kl_ctrl.value if kl_ctrl else None)
-                if kl_ctrl is not None:
-                    kl_ctrl.update(m_adv["actor/reward_kl_penalty"], len(batch))
-                m_critic = _timed(timings, "update_critic", update_critic, workers, batch) \
-                    if algo.needs_critic else {}
-                m_actor, version = update_policy(workers, batch)  # its own timing_s/update_actor, _weights
-                metrics = {**m_reward, **m_adv, **m_critic, **m_actor}
-                if it % t.test_interval == 0 or it == t.iterations:
-                    metrics.update(_timed(timings, "testing", evaluate_policy, workers, eval_rows, cfg))
-                timings["timing_s/step"] = time.perf_counter() - step_start
-                metrics.update(timings)
-                log_metrics(tracker, metrics, it)  # before the checkpoint: a crash between the two re-runs
-                if it % t.save_interval == 0 or it == t.iterations:  # `it`, whose metrics are not re-logged
-                    ckpt, state = save_checkpoint(workers, tracker, cfg, plan, it, {
-                        "sampler": sampler.state_dict(), "weights_version": version, **fingerprint.state(),
-                        **({"kl_ctrl": kl_ctrl.state_dict()} if kl_ctrl is not None else {})})
-                    log_metrics(tracker, checkpoint_metrics(state), it)
-                    metrics.update(checkpoint_metrics(state))
-            except Exception as exc:
-                if not is_transient(exc) or rebuilds >= t.max_worker_rebuilds:
-                    raise
-                # a worker died for good (the policy actor is never restarted by Ray): new workers from this
-                # run's last checkpoint (or its start), then on from there; steps already logged stay once
-                rebuilds += 1
-                logger().warning("iteration %d: a worker died (%s); rebuilding from the last checkpoint "
-                                 "(%d/%d)", it, type(exc).__name__, rebuilds, t.max_worker_rebuilds)
-                workers = group.workers = rebuild_workers(workers, cfg)
-                if ckpt is not None:
-                    checkpoints.verify(Path(ckpt))
-                version, it = _restore(workers, ckpt, state, sampler, kl_ctrl, tracker)
-                continue
-            history.append({"step": it, **metrics})
-            advance(info=f"reward {metrics['critic/score/mean']:.3f}")
-            if t.progress:
-                console.print(iteration_line(it, t.iterations, metrics))
-            it += 1
-    return finalize(workers, tracker, cfg, plan, history, time.perf_counter() - started)
+        run = open_run(cfg, plan, tokenizer, train_rows, eval_rows, pipeline, pipeline_version)
+        try:
+            with on_stop("mlflow", lambda: run.tracker.end("KILLED")), on_stop("workers", run.stop_workers):
+                return train(run, started)
+        except BaseException:
+            run.tracker.end("KILLED" if stopping() else "FAILED")
+            raise
+        finally:
+            run.stop_workers()
 
 
 def main(argv: list[str] | None = None) -> int:

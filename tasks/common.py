@@ -1,5 +1,5 @@
-"""Shared task settings: which failures are transient (retried), the default stage timeout, and `stage`, the
-decorator of the RL loop's tasks."""
+"""Shared task settings: which failures are transient (the flow rebuilds its workers on them), the default
+stage timeout, and `stage`, the decorator of the RL loop's tasks."""
 
 from __future__ import annotations
 
@@ -30,17 +30,6 @@ def stage(**options: Any):
 
 TRANSIENT = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError", "ObjectLostError",
              "GetTimeoutError", "TimeoutError", "ConnectionError")
-# retries of a stage whose Ray actor died: Ray restarts it meanwhile (a second or two)
-RETRY_TRANSIENT = {"retries": 3, "retry_delay_seconds": [1, 3, 10]}
-
-
-def retry_transient(task, task_run, state) -> bool:
-    """Retry only failures of the machinery (a dead worker, a timeout), never our own errors."""
-    try:
-        state.result()
-    except Exception as exc:  # the failed state re-raises the task's exception
-        return is_transient(exc)
-    return False
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -14,6 +14,7 @@ from components.data.io import read_rows, to_plain, write_parquet
 from components.lineage import verify_tracked
 from components.models.loading import load_tokenizer
 from components.models.tiny import build_char_tokenizer
+from components.stages import STAGES
 from tasks.caching import StageCache, cached_stage
 from tasks.common import logger, stage
 
@@ -69,10 +70,9 @@ def _tokenizer_files(inputs: dict) -> list[str]:
                                                      "chat_template.jinja")]
 
 
-PREPARE_CACHE = StageCache(config_keys=("data", "trainer.seed"), reads=_gsm8k_files, writes=_raw_files)
-CLEAN_CACHE = StageCache(config_keys=("data", "sft.base_model", "sft.output_dir", "actor.model.path",
-                                      "multi_turn.enable"),
-                         reads=lambda i: _raw_files(i) + _tokenizer_files(i), writes=_clean_outputs)
+PREPARE_CACHE = StageCache(config_keys=STAGES["prepare"].reads, reads=_gsm8k_files, writes=_raw_files)
+CLEAN_CACHE = StageCache(config_keys=STAGES["clean"].reads, reads=lambda i: _raw_files(i) + _tokenizer_files(i),
+                         writes=_clean_outputs)
 
 
 @task(name="prepare-data", timeout_seconds=600, **cached_stage(PREPARE_CACHE))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from prefect import task
@@ -9,22 +10,20 @@ from prefect import task
 from components.config import Config
 from components.data.clean import RowRules, validate_file
 from components.data.io import write_json
-from components.data.prompts import PromptSettings
+from components.evaluation import evaluate
 from components.models.loading import load_tokenizer
-from components.rollout.completions import EngineOptions
-from components.rollout.multi_turn import MultiTurnSettings
+from components.plan import make_plan
+from components.rewards.registry import score_batch, scorers_for
 from components.rollout.worker import RolloutWorker
+from components.stages import STAGES
 from components.tracking.mlflow_tracker import Tracker
 from components.training.seeding import derive_seed
 from tasks.caching import StageCache, cached_stage
 from tasks.common import STAGE
 
-METRICS = ("math_acc",)  # --metric names: math_acc = rule-scored accuracy (greedy) plus mean@k / pass@k
 
 
-EVAL_CACHE = StageCache(config_keys=("engine", "actor.model", "reward_model", "custom_reward_function", "sandbox",
-                                     "multi_turn", "trainer.seed", "trainer.eval_k", "trainer.eval_size",
-                                     "data.apply_chat_template", "data.allow_unk", "data.max_prompt_len"),
+EVAL_CACHE = StageCache(config_keys=STAGES["evaluate"].reads,
                         reads=lambda i: [i["model_path"], i["eval_path"]])
 
 
@@ -35,11 +34,13 @@ def evaluate_model(model_path: str, eval_path: str, cfg: Config, model_key: str 
     are checked first, as the clean stage checks them, with this model's tokenizer."""
     rows = validate_file(eval_path, data_key, load_tokenizer(model_path, model_key), RowRules.from_config(cfg))
     rows = rows[:cfg.trainer.eval_size] if cfg.trainer.eval_size else rows
-    worker = RolloutWorker(model_path, cfg.engine.type, EngineOptions.from_config(cfg), cfg.trainer.num_threads,
-                           key=model_key, multi_turn=MultiTurnSettings.from_config(cfg),
-                           prompts=PromptSettings.from_config(cfg))
-    m = worker.evaluate(rows, cfg, cfg.trainer.eval_k, cfg.engine.max_new_tokens,
-                        derive_seed(cfg.trainer.seed, "eval"), cfg.engine.temperature or 1.0)
+    plan = make_plan(cfg)
+    worker = RolloutWorker.from_settings(replace(plan.rollout, model_path=model_path), key=model_key)
+    scorers = scorers_for([r["data_source"] for r in rows], cfg)
+    e = plan.evaluation
+    m = evaluate(lambda chunk, params, seed: worker.generate(chunk, params, seed, iteration=-1), worker.decode,
+                 lambda *batch: score_batch(*batch, scorers, plan.rewards.concurrency), rows, e.k,
+                 e.max_new_tokens, derive_seed(e.seed, "eval"), e.temperature)
     k = cfg.trainer.eval_k
     out = {"acc": m["val/acc"], "n": len(rows)}
     for key, value in m.items():

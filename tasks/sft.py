@@ -14,6 +14,7 @@ from components.errors import DataError
 from components.models import build_tiny_model, load_model, save_pretrained
 from components.outputs import SFT_MODEL, check_output
 from components.progress import progress_bar
+from components.stages import STAGES
 from components.training.seeding import seed_everything
 from components.training.sft import SFTExample, encode_examples, train_sft
 from tasks.caching import StageCache, cached_stage
@@ -21,8 +22,7 @@ from tasks.common import logger
 from tasks.data import sft_tokenizer
 
 SFT_CACHE = StageCache(
-    config_keys=("sft", "actor.model.max_seq_len", "trainer.seed", "multi_turn.enable", "data.task",
-                 "data.apply_chat_template", "data.allow_unk", "data.max_prompt_len"),
+    config_keys=STAGES["sft"].reads,
     reads=lambda i: [i["cfg"].data.train_path] + ([i["cfg"].sft.base_model] if i["cfg"].sft.base_model else []),
     writes=lambda i: [str(Path(i["cfg"].sft.output_dir) / "config.json")])
 

@@ -1,4 +1,4 @@
-"""Tracking and checkpoint tasks: the run plan, the MLflow run, per-iteration metrics, checkpoints, the final
+"""Tracking and checkpoint tasks: what a run resumes, the MLflow run, per-iteration metrics, checkpoints, the final
 model."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from components.config import Config, fingerprint, flatten
+from components.config import Config, fingerprint
 from components.config.loader import training_keys
 from components.data.io import write_atomic
 from components.lineage import file_md5, model_digest, verify_tracked
@@ -34,55 +34,50 @@ def run_fingerprint(cfg: Config) -> runs.Fingerprint:
     return runs.Fingerprint(fingerprint(cfg, **inputs), config, inputs)
 
 
-@stage(name="plan-run")
-def plan_training(cfg: Config, fp: runs.Fingerprint) -> runs.RunPlan:
+@stage(name="plan-resume")
+def plan_resume(cfg: Config, fp: runs.Fingerprint) -> runs.ResumePlan:
     """Which run directory this training writes and which verified checkpoint it continues
     (components/tracking/runs.py); a corrupt checkpoint is passed over, named in the log, for the last good
     one. Raises before anything is written when there is nothing to train."""
     t = cfg.trainer
-    plan = runs.plan_run(t.output_dir, fp, t.resume_mode, t.iterations, t.resume_accept_mismatch, t.when_finished)
-    for note in plan.notes:
+    resume = runs.plan_run(t.output_dir, fp, t.resume_mode, t.iterations, t.resume_accept_mismatch,
+                           t.when_finished)
+    for note in resume.notes:
         logger().warning("resume: %s", note)
-    if plan.checkpoint is not None:
-        checkpoints.check_same_shapes(plan.checkpoint, cfg.actor.model.path)
-        logger().warning("resuming from %s%s", plan.checkpoint,
-                         f" (a finished run, extended to {t.iterations} iterations)" if plan.extends else "")
-    return plan
+    if resume.checkpoint is not None:
+        checkpoints.check_same_shapes(resume.checkpoint, cfg.actor.model.path)
+        logger().warning("resuming from %s%s", resume.checkpoint,
+                         f" (a finished run, extended to {t.iterations} iterations)" if resume.extends else "")
+    return resume
 
 
 @stage(name="start-run")
-def start_run(cfg: Config, pipeline: str, version: str, run_name: str, plan: runs.RunPlan,
-              fp: runs.Fingerprint) -> Tracker:
+def start_run(cfg: Config, pipeline: str, version: str, run_name: str, resume: runs.ResumePlan,
+              fp: runs.Fingerprint, params: dict) -> Tracker:
     """One MLflow run: params = flattened config; tags = git commit, data hashes, pipeline name/version.
     A resumed training continues its run (never renamed; steps it already has are never logged again); an
     extension of a finished run logs to a child of it, which stays as it finished. Writes the run directory's
     run.json."""
     hashes = verify_tracked([cfg.data.train_path, cfg.data.eval_path])
-    parent = plan.parent_run_id
+    parent = resume.parent_run_id
     tags = {"git_commit": git_commit(), "pipeline": pipeline or "adhoc", "pipeline_version": version or "",
             "dvc.train_md5": hashes[cfg.data.train_path], "dvc.eval_md5": hashes[cfg.data.eval_path],
-            "reinforge.run_dir": str(plan.run_dir)}
+            "reinforge.run_dir": str(resume.run_dir)}
     if parent:
         run_name = f"{run_name}-extends-{parent[:8]}"
-        tags.update({"mlflow.parentRunId": parent, "reinforge.extends": f"{parent} at iteration {plan.extends}"})
-    tracker = Tracker(cfg.trainer.experiment_name, run_name, run_id=plan.mlflow_run_id)
-    if plan.mlflow_run_id and tracker.run_id != plan.mlflow_run_id:
+        tags.update({"mlflow.parentRunId": parent, "reinforge.extends": f"{parent} at iteration {resume.extends}"})
+    tracker = Tracker(cfg.trainer.experiment_name, run_name, run_id=resume.mlflow_run_id)
+    if resume.mlflow_run_id and tracker.run_id != resume.mlflow_run_id:
         logger().warning("resume: MLflow run %s of the checkpoint is not in this tracking store; logging to a new "
-                         "run %s", plan.mlflow_run_id, tracker.run_id)
-    tracker.log_params(flatten(cfg))
+                         "run %s", resume.mlflow_run_id, tracker.run_id)
+    tracker.log_params(params)
     tracker.set_tags(tags if tracker.resumed else {**tags, "mlflow.runName": run_name})
-    runs.start_info(plan, fp, cfg.trainer.iterations, tracker.run_id)
+    runs.start_info(resume, fp, cfg.trainer.iterations, tracker.run_id)
     return tracker
 
 
-def log_metrics(tracker: Tracker, metrics: dict[str, float], step: int) -> bool:
-    """Queue an iteration's metrics for MLflow (stored in the background; save_checkpoint and finalize wait for
-    them). A plain call, not a task: it only queues, and each task run costs the Prefect server ~20 ms of CPU."""
-    return tracker.log_metrics(metrics, step)
-
-
 @stage(name="save-checkpoint")
-def save_checkpoint(workers: Workers, tracker: Tracker, cfg: Config, plan: runs.RunPlan, iteration: int,
+def save_checkpoint(workers: Workers, tracker: Tracker, cfg: Config, resume: runs.ResumePlan, iteration: int,
                     state: dict) -> tuple[str, dict]:
     """Atomic checkpoint in the run's own directory (the policy worker's model, optimizer, scheduler, RNG and
     critic; the driver's `state`: sampler position, weights version, controller, run fingerprint) logged to
@@ -90,8 +85,7 @@ def save_checkpoint(workers: Workers, tracker: Tracker, cfg: Config, plan: runs.
     from it). The metrics queued so far are stored first: a checkpoint never gets ahead of its run's metrics."""
     tracker.flush()
     path = checkpoints.save_checkpoint(
-        plan.checkpoints, iteration,
-        lambda out: workers.call("policy", "write_checkpoint", str(out), cfg.trainer.save_optimizer),
+        resume.checkpoints, iteration, lambda out: workers.policy.write_checkpoint(str(out), cfg.trainer.save_optimizer),
         {**state, "mlflow_run_id": tracker.run_id, "seed": cfg.trainer.seed,
          "target_iterations": cfg.trainer.iterations},
         keep=cfg.trainer.max_checkpoints_to_keep)
@@ -107,25 +101,25 @@ def checkpoint_metrics(state: dict) -> dict[str, float]:
 @stage(name="restore-checkpoint")
 def restore_checkpoint(workers: Workers, ckpt: str) -> int:
     """Load a verified checkpoint into the policy worker; returns the weights version it holds."""
-    return workers.call("policy", "load_checkpoint", ckpt)
+    return workers.policy.load_checkpoint(ckpt)
 
 
 @stage(name="finalize")
-def finalize(workers: Workers, tracker: Tracker, cfg: Config, plan: runs.RunPlan, history: list[dict],
+def finalize(workers: Workers, tracker: Tracker, cfg: Config, resume: runs.ResumePlan, history: list[dict],
              wall_s: float) -> dict:
     """Save the final model in the run directory (HF format) and log it to MLflow as a model of its own
     (stored apart from the run's artifacts, so no later run ever writes its files); the reward curve and
     run.json; end the MLflow run. `latest` in trainer.output_dir names this run."""
-    final = workers.call("policy", "save_model", str(plan.run_dir / "final"), MODEL)
+    final = workers.policy.save_model(str(resume.run_dir / "final"), MODEL)
     model_id = tracker.log_model(final, "final_model")
-    plot = reward_curve(history, plan.run_dir / "reward_curve.png")
+    plot = reward_curve(history, resume.run_dir / "reward_curve.png")
     tracker.log_artifact(plot)
     last_eval = next((h for h in reversed(history) if "val/acc" in h), {})
-    info = runs.write_info(plan.run_dir, status="finished", final_model=final, model_id=model_id,
+    info = runs.write_info(resume.run_dir, status="finished", final_model=final, model_id=model_id,
                            final_val_acc=last_eval.get("val/acc"), wall_seconds=round(wall_s, 2),
                            experiment=cfg.trainer.experiment_name, run_id=tracker.run_id)
-    tracker.log_artifact(plan.run_dir / runs.RUN_INFO)
-    write_atomic(Path(cfg.trainer.output_dir) / "latest", lambda tmp: Path(tmp).write_text(plan.run_dir.name + "\n"))
+    tracker.log_artifact(resume.run_dir / runs.RUN_INFO)
+    write_atomic(Path(cfg.trainer.output_dir) / "latest", lambda tmp: Path(tmp).write_text(resume.run_dir.name + "\n"))
     tracker.end("FINISHED")
     return info
 

@@ -95,12 +95,12 @@ def parallel_problems(cfg: "Config", responses: int) -> list[str]:
 
 def check_combinations(cfg: "Config") -> None:
     """Raise one ConfigError listing every impossible combination in `cfg`."""
-    from components.algorithms import presets
+    from components.plan import resolve_algorithm
 
     problems: list[str] = path_problems(cfg)
     algo = None
     try:
-        algo = presets.resolve(cfg.algorithm)
+        algo = resolve_algorithm(cfg)
     except KeyError as exc:
         problems.append(str(exc.args[0]))
     problems += engine_problems(cfg.engine.type)

@@ -165,22 +165,12 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         raise ConfigError(f"invalid config{where}:\n  - " + "\n  - ".join(lines)) from None
 
 
-# Keys that do not change what an iteration computes: a checkpoint made under other values still resumes.
-RESUME_NEUTRAL = ("trainer.iterations", "trainer.resume_mode", "trainer.resume_accept_mismatch",
-                  "trainer.when_finished", "trainer.progress", "trainer.save_interval",
-                  "trainer.test_interval", "trainer.eval_k", "trainer.eval_size", "trainer.experiment_name",
-                  "trainer.max_checkpoints_to_keep", "trainer.num_threads", "trainer.save_optimizer",
-                  # how the update is spread over workers: the same step (within rounding) and a checkpoint
-                  # format that does not depend on it, so a group rebuilt smaller resumes the run
-                  "trainer.num_workers", "trainer.strategy", "trainer.data_parallel_size", "trainer.zero_stage",
-                  "trainer.worker_resources", "trainer.min_workers", "trainer.grad_compression",
-                  "trainer.compression_fp16_below_gbps", "trainer.compression_powersgd_below_gbps",
-                  "trainer.simulated_bandwidth_gbps", "trainer.stage_timeout_s", "trainer.max_worker_rebuilds")
-
-
 def training_keys(cfg: Config) -> dict[str, Any]:
-    """Every flattened key that shapes what training computes (all but RESUME_NEUTRAL)."""
-    return {k: v for k, v in flatten(cfg).items() if not any(k == n or k.startswith(n + ".") for n in RESUME_NEUTRAL)}
+    """Every flattened key that shapes what training computes: the train stage's keys but its neutral ones
+    (components/stages.py)."""
+    from components.stages import STAGES
+
+    return {k: v for k, v in flatten(cfg).items() if STAGES["train"].shapes(k)}
 
 
 def fingerprint(cfg: Config, **inputs: str) -> str:

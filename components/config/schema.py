@@ -1,7 +1,7 @@
 """Typed configuration: one pydantic model per section, one line of help per field.
 
 Key names follow verl's guide (`algorithm.kl_loss_coef`, `actor.optimizer.lr`, `engine.n`, ...). Every model
-forbids unknown keys, so a typo fails before any work starts; `components.config.load` turns the
+forbids unknown keys, so a typo fails before any work starts; `components.config.load_config` turns the
 pydantic error into one that names the key and the fix.
 """
 

@@ -113,18 +113,25 @@ def _split(value, fn, i: int, source: str, text: str) -> tuple[object, dict[str,
     return score, subs
 
 
+def score_with_config(texts: list[str], ground_truths: list[str], data_sources: list[str], extra_infos: list[dict],
+                      cfg: "Config") -> tuple[list[float], list[bool], dict[str, list[float]]]:
+    """score_batch with the scorers the config gives each data_source (for a one-off scoring in this process)."""
+    return score_batch(texts, ground_truths, data_sources, extra_infos, scorers_for(data_sources, cfg),
+                       cfg.sandbox.concurrency)
+
+
 def score_batch(texts: list[str], ground_truths: list[str], data_sources: list[str], extra_infos: list[dict],
-                cfg: "Config", scorers: dict[str, Scorer] | None = None
+                scorers: dict[str, Scorer], concurrency: int = 2
                 ) -> tuple[list[float], list[bool], dict[str, list[float]]]:
     """Scores per response, whether each is valid, and the sub-scores (name -> per-row values, NaN where a
     row's scorer did not report that name). Invalid scores (None, NaN, inf) count as 0 and as invalid; a
     score of the wrong type (a bool, a string, a list) is a RewardError.
 
     A scorer that raises is a bug: the RewardError names the sample and is not retried. `scorers` (data_source ->
-    scorer, from scorers_for) lets another process score with the scorers resolved here. Scorers marked
-    `concurrent` (the sandboxed code scorer) run in threads, up to sandbox.concurrency at once.
+    scorer, from scorers_for, resolved in the driver) can be shipped to another process. Scorers marked
+    `concurrent` (the sandboxed code scorer) run in threads, up to `concurrency` (sandbox.concurrency) at once.
     """
-    cache = scorers if scorers is not None else scorers_for(data_sources, cfg)
+    cache = scorers
 
     def one(i: int):
         fn, source = cache[data_sources[i]], data_sources[i]
@@ -138,7 +145,7 @@ def score_batch(texts: list[str], ground_truths: list[str], data_sources: list[s
     parallel = [i for i, s in enumerate(data_sources) if getattr(cache[s], "concurrent", False)]
     results: dict[int, tuple] = {}
     if parallel:
-        with ThreadPoolExecutor(max_workers=cfg.sandbox.concurrency) as pool:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
             results.update(zip(parallel, pool.map(one, parallel)))
     for i in range(len(texts)):
         if i not in results:

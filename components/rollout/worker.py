@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -15,6 +15,18 @@ from components.data.prompts import PromptSettings, encode_prompts
 from components.rl import rollout_batch
 from components.rollout.base import SamplingParams, make_engine
 from components.rollout.multi_turn import MultiTurnSettings, make_tools, multi_turn_generate
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What a rollout worker is built from (the run plan's slice for it)."""
+
+    model_path: str
+    engine_type: str = "hf"
+    options: EngineOptions = field(default_factory=lambda: EngineOptions(dtype="float32"))
+    num_threads: int = 2
+    multi_turn: MultiTurnSettings | None = None
+    prompts: PromptSettings = field(default_factory=PromptSettings)
 
 
 class RolloutWorker:
@@ -32,6 +44,11 @@ class RolloutWorker:
         self.multi_turn = multi_turn
         self.tools = make_tools(list(multi_turn.tools), multi_turn.sandbox_limits, multi_turn.concurrency) \
             if multi_turn else {}
+
+    @classmethod
+    def from_settings(cls, s: RolloutSettings, model=None, key: str = "actor.model.path") -> "RolloutWorker":
+        return cls(s.model_path, s.engine_type, s.options, s.num_threads, key=key, model=model,
+                   multi_turn=s.multi_turn, prompts=s.prompts)
 
     def pid(self) -> int:
         return os.getpid()
@@ -89,9 +106,3 @@ class RolloutWorker:
         from components.rl import decode_responses
 
         return decode_responses(self.tokenizer, batch)
-
-    def evaluate(self, rows: list[dict], reward_cfg, k: int, max_new_tokens: int, seed: int,
-                 temperature: float = 1.0, scorers: dict | None = None) -> dict[str, float]:
-        from components.evaluation import evaluate
-
-        return evaluate(self, rows, reward_cfg, k, max_new_tokens, seed, temperature, scorers=scorers)

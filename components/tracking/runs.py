@@ -50,7 +50,7 @@ class Fingerprint:
 
 
 @dataclass
-class RunPlan:
+class ResumePlan:
     """Where a training run writes and what it starts from: `checkpoint` None = iteration 1. `mlflow_run_id`
     the MLflow run to continue (None = a new one); `extends` the iteration a finished run is extended from,
     whose MLflow run (`parent_run_id`) stays as it was while the extension logs to a child run."""
@@ -118,12 +118,12 @@ def _fewer(iterations: int, ckpt: Path, iteration: int) -> ConfigError:
 
 
 def plan_run(output_dir: str | Path, fingerprint: Fingerprint, resume_mode: str, iterations: int,
-             accept_mismatch: bool = False, when_finished: str = "stop") -> RunPlan:
+             accept_mismatch: bool = False, when_finished: str = "stop") -> ResumePlan:
     """Decide, before anything is written, what this training run continues (see the module docstring).
     `when_finished` = retrain (the nightly): a finished run of this configuration is not an error but the
     start of a new run directory. Raises ConfigError or CheckpointError with the fix."""
     if resume_mode == "disable":
-        return RunPlan(new_run_dir(output_dir, fingerprint.digest))
+        return ResumePlan(new_run_dir(output_dir, fingerprint.digest))
     if resume_mode != "auto":
         return _plan_explicit(Path(resume_mode), fingerprint, iterations, accept_mismatch, Path(output_dir))
     notes: list[str] = []
@@ -137,7 +137,7 @@ def plan_run(output_dir: str | Path, fingerprint: Fingerprint, resume_mode: str,
             raise _fewer(iterations, ckpt, state["iteration"])
         if _finished(state, info) and state["iteration"] == iterations:
             if when_finished == "retrain":
-                return RunPlan(new_run_dir(output_dir, fingerprint.digest), notes=notes + [
+                return ResumePlan(new_run_dir(output_dir, fingerprint.digest), notes=notes + [
                     f"{run_dir.name} already finished {iterations} iterations; training a new run"])
             raise ConfigError(
                 f"{run_dir} already finished all {iterations} iterations of this configuration (MLflow run "
@@ -145,18 +145,18 @@ def plan_run(output_dir: str | Path, fingerprint: Fingerprint, resume_mode: str,
                 "trainer.iterations to extend it, or set trainer.resume_mode=disable to train a new run from the "
                 "start in a directory of its own.")
         return _continue(run_dir, ckpt, state, notes)
-    return RunPlan(new_run_dir(output_dir, fingerprint.digest), notes=notes)
+    return ResumePlan(new_run_dir(output_dir, fingerprint.digest), notes=notes)
 
 
-def _continue(run_dir: Path, ckpt: Path, state: dict, notes: list[str]) -> RunPlan:
+def _continue(run_dir: Path, ckpt: Path, state: dict, notes: list[str]) -> ResumePlan:
     """Continue `ckpt` in its own run directory: in its MLflow run, or (a finished run) in a child of it."""
     if _finished(state, read_info(run_dir)):
-        return RunPlan(run_dir, ckpt, state, None, state["iteration"], state.get("mlflow_run_id"), notes)
-    return RunPlan(run_dir, ckpt, state, state.get("mlflow_run_id"), notes=notes)
+        return ResumePlan(run_dir, ckpt, state, None, state["iteration"], state.get("mlflow_run_id"), notes)
+    return ResumePlan(run_dir, ckpt, state, state.get("mlflow_run_id"), notes=notes)
 
 
 def _plan_explicit(ckpt: Path, fingerprint: Fingerprint, iterations: int, accept_mismatch: bool,
-                   output_dir: Path) -> RunPlan:
+                   output_dir: Path) -> ResumePlan:
     """trainer.resume_mode=<checkpoint>: verified, and its fingerprint compared key by key like auto's. A
     checkpoint of this configuration in a run directory of this output continues there; any other (accepted
     knowingly, or copied from elsewhere) starts a new run directory and a new MLflow run from its state, so
@@ -178,10 +178,10 @@ def _plan_explicit(ckpt: Path, fingerprint: Fingerprint, iterations: int, accept
         return _continue(run_dir, ckpt, state, [])
     note = f"continuing {ckpt} of another configuration ({'; '.join(differ[:5])})" if differ else \
         f"continuing {ckpt}, a checkpoint from outside this output directory"
-    return RunPlan(new_run_dir(output_dir, fingerprint.digest), ckpt, state, notes=[note])
+    return ResumePlan(new_run_dir(output_dir, fingerprint.digest), ckpt, state, notes=[note])
 
 
-def start_info(plan: RunPlan, fingerprint: Fingerprint, iterations: int, mlflow_run_id: str) -> dict:
+def start_info(plan: ResumePlan, fingerprint: Fingerprint, iterations: int, mlflow_run_id: str) -> dict:
     """run.json at the start of a run (or of an extension): what it trains and where it logs."""
     info = read_info(plan.run_dir)
     runs = list(dict.fromkeys([*info.get("mlflow_runs", []), mlflow_run_id]))

@@ -30,6 +30,23 @@ class UpdateSettings:
     autocast_dtype: str | None = None  # "bf16" / "fp16": autocast the update's forward passes
 
 
+def update_settings(cfg, algo) -> UpdateSettings:
+    """The update of the config's actor under the resolved algorithm `algo` (autocast as configured; on FSDP's
+    parameter dtype the policy worker turns it off)."""
+    a = cfg.algorithm
+    loop = LoopSettings(ppo_epochs=cfg.actor.ppo_epochs, mini_batch_size=cfg.actor.ppo_mini_batch_size,
+                        micro_batch_size=cfg.actor.ppo_micro_batch_size,
+                        max_tokens=cfg.actor.ppo_max_token_len_per_worker, grad_clip=cfg.actor.optimizer.grad_clip,
+                        norm_const=float(cfg.engine.max_new_tokens), seed=cfg.trainer.seed)
+    return UpdateSettings(
+        loop=loop, temperature=cfg.engine.temperature or 1.0,
+        beta=a.kl_loss_coef if algo.use_kl_loss else 0.0, kl_loss_type=algo.kl_loss_type,
+        entropy_coeff=a.entropy_coeff, policy_loss=algo.policy_loss,
+        loss=PolicyLossParams(clip_low=a.clip_epsilon, clip_high=algo.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+                              agg_mode=algo.loss_agg_mode),
+        autocast_dtype=cfg.mixed_precision.dtype if cfg.mixed_precision.enabled else None)
+
+
 def autocast(model: torch.nn.Module, dtype_name: str | None):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype_name or "")
     device = next(model.parameters()).device.type

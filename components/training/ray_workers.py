@@ -1,25 +1,32 @@
-"""Starting the Ray actors: local Ray by default, the cluster in RAY_ADDRESS when set."""
+"""The Ray actors of a training run, behind typed handles: local Ray by default, the cluster in RAY_ADDRESS.
+
+- PolicyGroup: the policy workers (one torch.distributed group, rank 0 first). Its methods shard or share a
+  batch as the update needs, wait for every rank, and answer rank 0's result.
+- RolloutGroup: the rollout engines (an EnginePool of actors, or policy worker 0 when colocated): sampling
+  with a weights version, pushing weights, health checks.
+- ReferenceActor, RewardModelActor, and score_in_worker (the RewardScorer actor).
+
+Every call is bounded by trainer.stage_timeout_s: a call that hangs gets its actors' whole process trees
+killed and raises StageTimeout, a transient failure the flow recovers from by rebuilding the group
+(docs/architecture.md says where each kind of failure is handled).
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 import torch
 
 from components.batch import Batch
-from components.config import Config
-from components.data.prompts import PromptSettings
-from components.rollout.completions import EngineOptions
-from components.rollout.multi_turn import MultiTurnSettings
+from components.plan import Placement, PolicySettings, ReferenceSettings, RunPlan
+from components.rollout.base import SamplingParams
 from components.rollout.pool import EnginePool
-from components.rollout.worker import RolloutWorker
+from components.rollout.worker import RolloutSettings, RolloutWorker
 from components.shutdown import reclaim_signals
 from components.training.distributed import GroupSpec
 from components.training.loop import balanced_shards
-from components.algorithms.presets import resolve
 from components.training.worker import ColocatedWorker, PolicyWorker, ReferenceWorker
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -39,8 +46,8 @@ def ensure_ray() -> None:
         # (each runs trainer.num_threads threads); "local": a new instance even when `ray start` left its address;
         # no idle workers started ahead, not even the two for the first driver (each is a Python process of
         # ~80 MB that a run never uses)
-        ray.init(address="local", num_cpus=max(8, os.cpu_count() or 2), include_dashboard=False, runtime_env=runtime_env,
-                 log_to_driver=True, configure_logging=False,
+        ray.init(address="local", num_cpus=max(8, os.cpu_count() or 2), include_dashboard=False,
+                 runtime_env=runtime_env, log_to_driver=True, configure_logging=False,
                  _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False,
                                  "worker_niceness": 0})
     reclaim_signals()
@@ -66,7 +73,42 @@ def kill_tree(pid: int | None) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
-def _concat_prepared(results: list, shards: list[list[int]]):
+def kill_actors(actors: list) -> None:
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except ValueError:  # not an actor handle any more: nothing to kill
+            pass
+
+
+class Actors:
+    """Calls on a set of actors, waited for at most `timeout_s`; a call that hangs past it gets the actors'
+    process trees killed and raises StageTimeout naming the role and the call."""
+
+    role = "worker"
+
+    def __init__(self, actors: list, pids: list[int], timeout_s: float):
+        self.actors, self.pids, self.timeout_s = list(actors), list(pids), timeout_s
+
+    def wait(self, refs: list, what: str) -> list:
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            for pid in self.pids:
+                kill_tree(pid)
+            raise StageTimeout(f"{self.role} worker: {what} did not finish within {self.timeout_s:g} s "
+                               f"(trainer.stage_timeout_s); its processes (pids {self.pids}) and every process "
+                               "they started were killed") from None
+
+    def refresh_pids(self) -> None:
+        """After Ray restarted an actor, its process is a new one."""
+        self.pids = ray.get([a.pid.remote() for a in self.actors])
+
+    def stop(self) -> None:
+        kill_actors(self.actors)
+
+
+def _join_prepared(results: list, shards: list[list[int]]) -> tuple[Batch, dict[str, float]]:
     """prepare's (batch, timings) from every worker -> one batch in the original row order, slowest timings."""
     batch = Batch.concat([r[0] for r in results])
     order = torch.tensor([i for s in shards for i in s])
@@ -74,200 +116,280 @@ def _concat_prepared(results: list, shards: list[list[int]]):
     return batch.select(torch.argsort(order)), timings
 
 
-# policy methods whose first argument is a batch each worker computes its token-balanced shard of
-SHARDED = {"prepare": _concat_prepared}
-# ... and those that get the whole batch (stored once in the object store) and take their share of each
-# mini-batch themselves, so that N workers step exactly as one
-WHOLE = {"update", "update_critic"}
+class PolicyGroup(Actors):
+    """The policy workers. Every method is called on every rank (they meet in collectives) and answers rank 0's
+    result."""
 
+    role = "policy"
 
-@dataclass
-class Workers:
-    """Handles of the actors a training run keeps across iterations, their pids and the stage timeout:
-    the policy workers (one process group, rank 0 first) and the rollout worker."""
+    def _all(self, what: str, call) -> list:
+        return self.wait([call(a) for a in self.actors], what)
 
-    policy: list
-    rollout: "ray.actor.ActorHandle"
-    timeout_s: float = 1200.0
-    pids: dict[str, list[int]] = field(default_factory=dict)
-    reference: "ray.actor.ActorHandle | None" = None  # trainer.ref_placement=separate
-    colocated: bool = False  # the rollout engine is policy worker 0 (trainer.rollout_placement)
-    reward_model: "ray.actor.ActorHandle | None" = None  # reward_model.path: a RewardModelScorer actor
-    pool: "EnginePool | None" = None  # all rollout actors (engine.num_engines); pool.actors[0] is `rollout`
+    def prepare(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """Old/reference log-probs and values (verl's old_log_prob/ref/values stages): each worker computes a
+        token-balanced shard, joined back in row order."""
+        if len(self.actors) == 1:
+            return self._all("prepare", lambda a: a.prepare.remote(batch))[0]
+        shards = balanced_shards(batch, len(self.actors))
+        results = self.wait([a.prepare.remote(batch.select(s)) for a, s in zip(self.actors, shards)], "prepare")
+        return _join_prepared(results, shards)
 
-    def _get(self, role: str, method: str, refs: list):
-        try:
-            return ray.get(refs, timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            pids = self.pids.get(role, [])
-            for pid in pids:
-                kill_tree(pid)
-            raise StageTimeout(f"{role} worker: {method} did not finish within {self.timeout_s:g} s "
-                               f"(trainer.stage_timeout_s); its processes (pids {pids}) and every process they "
-                               "started were killed") from None
+    def _whole(self, batch: Batch):
+        """The batch once in the object store for several workers (each takes its share of every mini-batch)."""
+        return ray.put(batch) if len(self.actors) > 1 else batch
 
-    def call(self, role: str, method: str, *args, **kwargs):
-        """`role`.`method`(*args) on its actor(s), waited for at most timeout_s. A call that hangs past it gets
-        its actors' whole process trees killed (Ray restarts a rollout actor; the flow rebuilds dead policy
-        workers from the last checkpoint) and raises StageTimeout, so nothing is left running behind it.
-        Policy calls go to every worker: prepare's batch is split into token-balanced shards (and the results
-        joined in row order); update and update_critic get the whole batch through one object-store copy; the
-        answer is rank 0's."""
-        if role != "policy":  # the rollout or reference actor
-            return self._get(role, method, [getattr(getattr(self, role), method).remote(*args, **kwargs)])[0]
-        if method in SHARDED and len(self.policy) > 1:
-            shards = balanced_shards(args[0], len(self.policy))
-            refs = [getattr(a, method).remote(args[0].select(s), *args[1:], **kwargs)
-                    for a, s in zip(self.policy, shards)]
-            return SHARDED[method](self._get(role, method, refs), shards)
-        if method in WHOLE and len(self.policy) > 1:
-            args = (ray.put(args[0]), *args[1:])
-        return self._get(role, method, [getattr(a, method).remote(*args, **kwargs) for a in self.policy])[0]
+    def update(self, batch: Batch) -> dict[str, float]:
+        whole = self._whole(batch)
+        return self._all("update", lambda a: a.update.remote(whole))[0]
 
-    def push_weights(self) -> int:
-        """Rank 0's (gathered) weights into the rollout engine straight through the object store (never the
-        driver, never disk); every policy worker takes part in the gather. Returns the weights version. A
-        colocated engine samples with the policy's own parameters: only the version moves."""
-        if self.colocated:
-            return self._get("policy", "share_weights", [self.policy[0].share_weights.remote()])[0]
-        return self.push_weights_to(self.engines())
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        whole = self._whole(batch)
+        return self._all("update_critic", lambda a: a.update_critic.remote(whole))[0]
 
-    def push_weights_to(self, engines: list) -> int:
-        """The policy's weights into these rollout actors (one object-store copy shared by all of them)."""
-        refs = [a.get_weights.options(num_returns=2).remote() for a in self.policy]
+    def state(self) -> dict:
+        return self.wait([self.actors[0].state.remote()], "state")[0]
+
+    def write_checkpoint(self, out: str, with_optimizer: bool) -> None:
+        self._all("write_checkpoint", lambda a: a.write_checkpoint.remote(out, with_optimizer))
+
+    def load_checkpoint(self, path: str) -> int:
+        return self._all("load_checkpoint", lambda a: a.load_checkpoint.remote(path))[0]
+
+    def save_model(self, out: str, kind: str) -> str:
+        return self._all("save_model", lambda a: a.save_model.remote(out, kind))[0]
+
+    def push_weights(self, engines: list) -> int:
+        """Rank 0's (gathered) weights into these rollout actors through one object-store copy (never the
+        driver, never disk); every policy worker takes part in the gather. Returns the weights version."""
+        refs = [a.get_weights.options(num_returns=2).remote() for a in self.actors]
         weights, version = refs[0]
         done = [e.update_weights.remote(weights, version) for e in engines]
-        return self._get("policy", "get_weights", done + [r[1] for r in refs[1:]])[0]
+        return self.wait(done + [r[1] for r in refs[1:]], "push_weights")[0]
 
-    def stale_engines(self, version: int) -> list:
-        """The rollout actors whose weights are not `version` (a restarted one holds the SFT weights)."""
-        engines = self.engines()
-        versions = self._get("rollout", "weights_version", [e.weights_version.remote() for e in engines])
-        return [e for e, v in zip(engines, versions) if v != version]
+    def share_weights(self) -> int:
+        """Colocated: the engine samples with worker 0's own parameters; only the version moves."""
+        return self.wait([self.actors[0].share_weights.remote()], "share_weights")[0]
+
+
+class RolloutGroup(Actors):
+    """The rollout engines: the pool's actors, or (colocated) policy worker 0 itself."""
+
+    role = "rollout"
+
+    def __init__(self, actors: list, pids: list[int], timeout_s: float, pool: EnginePool | None = None,
+                 health_check: bool = False):
+        super().__init__(actors, pids, timeout_s)
+        self.pool, self.health = pool, health_check
+
+    @property
+    def colocated(self) -> bool:
+        return self.pool is None
 
     def engines(self) -> list:
-        """Every rollout actor: the pool's, or the one `rollout` (colocated: policy worker 0)."""
-        return self.pool.actors if self.pool is not None else [self.rollout]
+        return self.pool.actors if self.pool is not None else self.actors
 
-    def refresh_pid(self, role: str) -> None:
-        """After Ray restarted an actor, its process is a new one."""
-        if role == "rollout" and self.pool is not None:
-            self.rollout = self.pool.actors[0]
-        self.pids[role] = ray.get([e.pid.remote() for e in self.engines()]) if role == "rollout" else \
-            ray.get([a.pid.remote() for a in self.policy])
+    def refresh_pids(self) -> None:
+        self.actors = self.engines()
+        super().refresh_pids()
+
+    def generate(self, rows: list[dict], params: SamplingParams, seed: int, iteration: int, version: int,
+                 greedy: bool = False, seeds: list[int] | None = None) -> Batch:
+        """params.n samples per row with weights `version` (each engine refuses other weights): on one engine,
+        or split across the pool by prompt length (`seeds`, one per engine; a dead engine is restarted and its
+        share retried)."""
+        if self.pool is None:  # colocated: the engine is the policy's own module, never stale
+            return self.wait([self.actors[0].generate.remote(rows, params, seed, iteration, version, greedy)],
+                             "generate")[0]
+        from components.data.prompts import prompt_text
+
+        restarts = self.pool.restarts
+        batch = self.pool.generate(rows, [len(prompt_text(r["prompt"])) for r in rows],
+                                   (params, iteration, version, greedy), seeds or [seed], self.timeout_s)
+        if self.pool.restarts != restarts:
+            self.refresh_pids()
+        return batch
+
+    def versions(self) -> list[int]:
+        return self.wait([e.weights_version.remote() for e in self.engines()], "weights_version")
+
+    def stale(self, version: int) -> list:
+        """The engines whose weights are not `version` (a restarted one holds the SFT weights)."""
+        return [e for e, v in zip(self.engines(), self.versions()) if v != version]
 
 
-def workers_that_fit(cfg: Config) -> int:
+class ReferenceActor(Actors):
+    role = "reference"
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        return self.wait([self.actors[0].logprobs.remote(batch)], "logprobs")[0]
+
+
+class RewardModelActor(Actors):
+    role = "reward_model"
+
+    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+        return self.wait([self.actors[0].score.remote(prompts, responses)], "score")[0]
+
+
+class Workers:
+    """The actors a training run keeps across iterations."""
+
+    def __init__(self, policy: PolicyGroup, rollout: RolloutGroup, reference: ReferenceActor | None = None,
+                 reward_model: RewardModelActor | None = None):
+        self.policy, self.rollout, self.reference, self.reward_model = policy, rollout, reference, reward_model
+
+    def push_weights(self) -> int:
+        """The policy's weights into every engine (colocated: only the version moves); returns the version."""
+        if self.rollout.colocated:
+            return self.policy.share_weights()
+        return self.policy.push_weights(self.rollout.engines())
+
+    def sample(self, rows: list[dict], params: SamplingParams, seed: int, iteration: int, version: int,
+               greedy: bool = False, seeds: list[int] | None = None) -> Batch:
+        """A rollout from engines that are alive (health-checked first when engine.health_check) and hold
+        weights `version`; `engine_restarts` in its meta counts the engines restarted on the way."""
+        pool = self.rollout.pool
+        restarts = pool.restarts if pool is not None else 0
+        if pool is not None and self.rollout.health:
+            pool.health_check()
+        self.ensure_current(version)
+        batch = self.rollout.generate(rows, params, seed, iteration, version, greedy, seeds)
+        if pool is not None:
+            batch.meta["engine_restarts"] = pool.restarts - restarts
+        return batch
+
+    def ensure_current(self, version: int) -> list:
+        """A rollout actor that Ray restarted after it died comes back with the SFT weights: give it the
+        policy's current weights before it samples, so a stale engine is never sampled. Returns the stale ones."""
+        if self.rollout.colocated:
+            return []
+        stale = self.rollout.stale(version)
+        if stale:
+            self.rollout.refresh_pids()
+            self.policy.push_weights(stale)
+        return stale
+
+    def stop(self) -> None:
+        extra = [g for g in (self.reference, self.reward_model) if g is not None]
+        for group in [self.policy, *([] if self.rollout.colocated else [self.rollout]), *extra]:
+            group.stop()
+
+
+def workers_that_fit(plan: RunPlan) -> int:
     """trainer.num_workers, or fewer when the cluster no longer has the resources for them (a node lost):
     the largest count that fits and still splits the batch and mini-batches evenly. Error below
     trainer.min_workers."""
-    t = cfg.trainer
-    need = {k: v for k, v in t.worker_resources.items() if v > 0}
+    placement, responses = plan.placement, plan.batch_size * plan.sampling.n
+    mini_batch = plan.policy.update.loop.mini_batch_size
+    need = {k: v for k, v in placement.worker_resources.items() if v > 0}
     total = ray.cluster_resources()
     # the rollout actors take a CPU between them, a separate reference actor one worker's resources
-    separate_ref = resolve(cfg.algorithm).needs_reference and t.ref_placement == "separate"
-    fits = min([int((total.get(k, 0.0) - (1.0 if k == "CPU" else 0.0)) // v) - separate_ref
-                for k, v in need.items()] or [t.num_workers])
-    responses = cfg.data.batch_size * cfg.engine.n
-    mini = cfg.actor.ppo_mini_batch_size or responses
-    n = next((k for k in range(min(t.num_workers, fits), 0, -1) if responses % k == 0 and mini % k == 0), 0)
-    if n < t.min_workers:
+    fits = min([int((total.get(k, 0.0) - (1.0 if k == "CPU" else 0.0)) // v) - placement.separate_reference
+                for k, v in need.items()] or [placement.num_workers])
+    mini = mini_batch or responses
+    n = next((k for k in range(min(placement.num_workers, fits), 0, -1) if responses % k == 0 and mini % k == 0), 0)
+    if n < placement.min_workers:
         raise RuntimeError(f"the Ray cluster has room for {max(fits, 0)} policy workers of {need} "
-                           f"(trainer.worker_resources), fewer than trainer.min_workers={t.min_workers}. Add nodes, "
-                           "or lower trainer.num_workers / trainer.min_workers.")
+                           f"(trainer.worker_resources), fewer than trainer.min_workers={placement.min_workers}. "
+                           "Add nodes, or lower trainer.num_workers / trainer.min_workers.")
     return n
 
 
-def colocate_rollout(cfg: Config, n: int) -> bool:
-    """trainer.rollout_placement resolved for n policy workers: auto colocates one worker with an hf engine."""
-    placement = cfg.trainer.rollout_placement
-    return placement == "colocate" or (placement == "auto" and n == 1 and cfg.engine.type == "hf"
-                                       and cfg.engine.num_engines == 1)
+def _split_resources(resources: dict) -> tuple[float, float, dict | None]:
+    res = dict(resources)
+    return res.pop("CPU", 0.0), res.pop("GPU", 0.0), res or None
 
 
-def start_policy_group(cfg: Config, n: int, colocated: bool = False) -> tuple[list, list[int]]:
+def start_policy_group(settings: PolicySettings, placement: Placement, n: int, colocated: bool,
+                       timeout_s: float) -> PolicyGroup:
     """n PolicyWorker actors spread over the cluster, joined into one process group (rank 0's address);
-    with `colocated`, rank 0 also serves the rollout engine (ColocatedWorker)."""
-    res = dict(cfg.trainer.worker_resources)
-    num_cpus, num_gpus = res.pop("CPU", 0.0), res.pop("GPU", 0.0)
+    with `colocated`, rank 0 also serves the rollout engine (ColocatedWorker). The policy workers are not
+    restarted by Ray: the flow rebuilds the group from the last checkpoint."""
+    num_cpus, num_gpus, res = _split_resources(placement.worker_resources)
     classes = [ColocatedWorker if colocated and rank == 0 else PolicyWorker for rank in range(n)]
-    actors = [ray.remote(max_restarts=0)(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, resources=res or None,
-                                                      scheduling_strategy="SPREAD").remote(cfg.model_dump())
+    actors = [ray.remote(max_restarts=0)(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, resources=res,
+                                                      scheduling_strategy="SPREAD").remote(settings)
               for cls in classes]
     addr, port = ray.get(actors[0].address.remote())
     backend = "nccl" if num_gpus else "gloo"
     specs = [GroupSpec(rank, n, addr, port, backend) for rank in range(n)]
     pids = ray.get([a.setup.remote(spec) for a, spec in zip(actors, specs)])  # surface start-up errors here
-    return actors, pids
+    return PolicyGroup(actors, pids, timeout_s)
 
 
-def start_workers(cfg: Config) -> Workers:
+def policy_group(plan: RunPlan, n: int | None = None) -> PolicyGroup:
+    """The plan's policy workers alone (n of them; trainer.num_workers by default), without a rollout engine."""
     ensure_ray()
-    n = workers_that_fit(cfg)
-    if n != cfg.trainer.num_workers:
-        import logging
+    p = plan.placement
+    return start_policy_group(plan.policy, p, n or p.num_workers, False, p.stage_timeout_s)
 
+
+def start_engine(settings: RolloutSettings, placement: Placement):
+    """One rollout actor (RolloutWorker with the configured engine). Ray restarts it up to 3 times; GPU engines
+    reserve engine.num_gpus (default tensor_parallel_size) GPUs, hf engines share one CPU between them."""
+    cpus = 1.0 / placement.num_engines if settings.engine_type == "hf" else 1.0
+    return ray.remote(num_cpus=cpus, num_gpus=placement.engine_gpus, max_restarts=3)(RolloutWorker).remote(
+        settings.model_path, settings.engine_type, settings.options, settings.num_threads,
+        multi_turn=settings.multi_turn, prompts=settings.prompts)
+
+
+def start_workers(plan: RunPlan) -> Workers:
+    """The policy group, the rollout engines (colocated in policy worker 0, or actors of their own), the
+    separate reference and the reward model, as the plan places them."""
+    import logging
+
+    ensure_ray()
+    p, timeout = plan.placement, plan.placement.stage_timeout_s
+    n = workers_that_fit(plan)
+    if n != p.num_workers:
         logging.getLogger("reinforge").warning("starting %d policy workers instead of trainer.num_workers=%d: the "
                                                "cluster has no room for more (the global batch is kept)", n,
-                                               cfg.trainer.num_workers)
-    # the policy workers are not restarted by Ray: the flow rebuilds the group from the last checkpoint; the
-    # rollout actor is stateless but for its weights (pushed again after a restart)
-    colocated = colocate_rollout(cfg, n)
-    policy, policy_pids = start_policy_group(cfg, n, colocated)
+                                               p.num_workers)
+    colocated = p.colocated(n, plan.rollout.engine_type)
+    policy = start_policy_group(plan.policy, p, n, colocated, timeout)
     if colocated:
-        rollout, pids = policy[0], {"policy": policy_pids, "rollout": policy_pids[:1]}
+        rollout = RolloutGroup(policy.actors[:1], policy.pids[:1], timeout)
     else:
-        engines = [start_engine(cfg) for _ in range(cfg.engine.num_engines)]
-        rollout, pids = engines[0], {"policy": policy_pids, "rollout": ray.get([e.pid.remote() for e in engines])}
-    reference = None
-    if resolve(cfg.algorithm).needs_reference and cfg.trainer.ref_placement == "separate":
-        res = dict(cfg.trainer.worker_resources)
-        reference = ray.remote(num_cpus=res.pop("CPU", 0.0), num_gpus=res.pop("GPU", 0.0), resources=res or None,
-                               max_restarts=3)(ReferenceWorker).remote(cfg.model_dump())
-        pids["reference"] = [ray.get(reference.pid.remote())]
-    reward_model = None
-    if cfg.reward_model.path:
-        from components.models.loading import check_model_dir
-        from components.rewards.reward_model import RewardModelScorer
-
-        rm = cfg.reward_model
-        check_model_dir(rm.path, "reward_model.path")  # a clear error here, not an actor that fails to start
-        reward_model = ray.remote(num_cpus=0, max_restarts=3)(RewardModelScorer).remote(
-            rm.path, rm.dtype, rm.batch_size, cfg.trainer.num_threads)
-        pids["reward_model"] = [ray.get(reward_model.pid.remote())]
-    workers = Workers(policy, rollout, float(cfg.trainer.stage_timeout_s), pids, reference, colocated, reward_model)
-    if not colocated:
-        workers.pool = EnginePool(engines, lambda: start_engine(cfg), lambda e: workers.push_weights_to([e]),
-                                  cfg.engine.health_check_timeout_s)
+        engines = [start_engine(plan.rollout, p) for _ in range(p.num_engines)]
+        rollout = RolloutGroup(engines, ray.get([e.pid.remote() for e in engines]), timeout,
+                               EnginePool(engines, lambda: start_engine(plan.rollout, p),
+                                          lambda e: policy.push_weights([e]), p.health_check_timeout_s),
+                               p.health_check)
+    workers = Workers(policy, rollout)
+    if plan.reference is not None:
+        workers.reference = _start_reference(plan.reference, p, timeout)
+    if p.reward_model:
+        workers.reward_model = _start_reward_model(p, plan.policy.num_threads, timeout)
     return workers
 
 
-def start_engine(cfg: Config):
-    """One rollout actor (RolloutWorker with the configured engine). Ray restarts it up to 3 times; GPU engines
-    reserve engine.num_gpus (default tensor_parallel_size) GPUs, hf engines share one CPU between them."""
-    e = cfg.engine
-    gpus = e.num_gpus if e.num_gpus is not None else (0 if e.type == "hf" else e.tensor_parallel_size)
-    cpus = 1.0 / e.num_engines if e.type == "hf" else 1.0
-    return ray.remote(num_cpus=cpus, num_gpus=gpus, max_restarts=3)(RolloutWorker).remote(
-        cfg.actor.model.path, e.type, EngineOptions.from_config(cfg), cfg.trainer.num_threads,
-        multi_turn=MultiTurnSettings.from_config(cfg), prompts=PromptSettings.from_config(cfg))
+def _start_reference(settings: ReferenceSettings, placement: Placement, timeout_s: float) -> ReferenceActor:
+    num_cpus, num_gpus, res = _split_resources(placement.worker_resources)
+    actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=res, max_restarts=3)(
+        ReferenceWorker).remote(settings)
+    return ReferenceActor([actor], [ray.get(actor.pid.remote())], timeout_s)
 
 
-def stop_workers(workers: Workers) -> None:
-    rollout = [] if workers.colocated else workers.engines()
-    extra = [a for a in (workers.reference, workers.reward_model) if a is not None]
-    for actor in [*workers.policy, *rollout, *extra]:
-        try:
-            ray.kill(actor, no_restart=True)
-        except ValueError:  # not an actor handle any more: nothing to kill
-            pass
+def _start_reward_model(placement: Placement, num_threads: int, timeout_s: float) -> RewardModelActor:
+    from components.models.loading import check_model_dir
+    from components.rewards.reward_model import RewardModelScorer
+
+    check_model_dir(placement.reward_model, "reward_model.path")  # a clear error here, not a failed actor start
+    actor = ray.remote(num_cpus=0, max_restarts=3)(RewardModelScorer).remote(
+        placement.reward_model, placement.reward_model_dtype, placement.reward_model_batch_size, num_threads)
+    return RewardModelActor([actor], [ray.get(actor.pid.remote())], timeout_s)
 
 
-def rebuild_workers(workers: Workers, cfg: Config) -> Workers:
+def stop_workers(workers: Workers | None) -> None:
+    if workers is not None:
+        workers.stop()
+
+
+def rebuild_workers(workers: Workers, plan: RunPlan) -> Workers:
     """Kill what is left of a worker group and start a fresh one, with fewer workers if resources are gone
     (the caller restores its state from the last checkpoint)."""
-    stop_workers(workers)
-    return start_workers(cfg)
+    workers.stop()
+    return start_workers(plan)
 
 
 class RewardScorer:
@@ -277,10 +399,10 @@ class RewardScorer:
     def pid(self) -> int:
         return os.getpid()
 
-    def score(self, texts, truths, sources, extras, reward_cfg, scorers):
+    def score(self, texts, truths, sources, extras, scorers, concurrency):
         from components.rewards.registry import score_batch
 
-        return score_batch(texts, truths, sources, extras, reward_cfg, scorers)
+        return score_batch(texts, truths, sources, extras, scorers, concurrency)
 
 
 _scorer: dict = {}  # the RewardScorer actor of this driver's Ray session (job id -> handle)
@@ -295,31 +417,31 @@ def _scorer_actor():
     return _scorer[job]
 
 
-def score_in_worker(texts, truths, sources, extras, reward_cfg):
-    """score_batch in the RewardScorer actor, bounded by trainer.stage_timeout_s: a scorer that kills its process
-    (a segfault, the OOM killer) is retried in a new one with the same inputs, so with the same result; a
-    scorer that raises fails at once, naming the sample; one that runs past the timeout has its process tree
-    killed and stops the run (RewardError: a retry would hang again). The scorers are resolved here and shipped
-    with the call."""
+def score_in_worker(texts, truths, sources, extras, scorers: dict, concurrency: int = 2,
+                    timeout_s: float = 1200.0):
+    """score_batch in the RewardScorer actor, bounded by `timeout_s` (trainer.stage_timeout_s): a scorer that
+    kills its process (a segfault, the OOM killer) is retried in a new one with the same inputs, so with the
+    same result; a scorer that raises fails at once, naming the sample; one that runs past the timeout has its
+    process tree killed and stops the run (RewardError: a retry would hang again). `scorers` (data_source ->
+    scorer, resolved in the driver) are shipped with the call."""
     from components.errors import ReinforgeError, RewardError
-    from components.rewards.registry import scorer_name, scorers_for
+    from components.rewards.registry import scorer_name
 
     ensure_ray()
-    scorers = scorers_for(sources, reward_cfg)
     actor = _scorer_actor()
     pid = ray.get(actor.pid.remote())
-    timeout = reward_cfg.trainer.stage_timeout_s
-    ref = actor.score.remote(texts, truths, sources, extras, reward_cfg, scorers)
+    ref = actor.score.remote(texts, truths, sources, extras, scorers, concurrency)
     try:
-        return ray.get(ref, timeout=timeout)
+        return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         kill_tree(pid)
         ray.kill(actor, no_restart=True)
         _scorer.clear()
         names = ", ".join(sorted({scorer_name(f) for f in scorers.values()}))
         raise RewardError(f"scoring {len(texts)} responses with {names} did not finish within "
-                          f"trainer.stage_timeout_s={timeout:g} s; the scorer's process and every process it started "
-                          "were killed. Make the reward function faster, or raise trainer.stage_timeout_s.") from None
+                          f"trainer.stage_timeout_s={timeout_s:g} s; the scorer's process and every process it "
+                          "started were killed. Make the reward function faster, or raise "
+                          "trainer.stage_timeout_s.") from None
     except ray.exceptions.RayTaskError as exc:
         if isinstance(exc.cause, ReinforgeError):  # our message, not Ray's wrapper around it
             raise exc.cause from None

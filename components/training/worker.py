@@ -6,16 +6,14 @@ import json
 import os
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from components.algorithms.losses import PolicyLossParams
-from components.algorithms.presets import resolve
 from components.batch import Batch
-from components.config.schema import Config
 from components.errors import CheckpointError
 from components.models.loading import load_model, load_tokenizer, save_pretrained
 from components.outputs import MODEL
@@ -24,45 +22,33 @@ from components.training import distributed as D
 from components.training.actor import PolicyTrainer, UpdateSettings
 from components.training.critic import CriticTrainer, ValueModel
 from components.training.logprobs import batch_logprobs
-from components.training.loop import LoopSettings
 from components.training.optim import make_optimizer, make_scheduler
 from components.training.seeding import seed_everything
+from components.plan import PolicySettings, ReferenceSettings
 
 
 MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 COMPRESSION_CODES = {"none": 0, "fp16": 1, "powersgd": 2}  # perf/grad_compression (MLflow metrics are numbers)
 
 
-def sharded_precision(cfg: Config, world_size: int) -> bool:
+def sharded_precision(s: PolicySettings, world_size: int) -> bool:
     """Mixed precision done by FSDP's parameter dtype rather than by autocast."""
-    return cfg.mixed_precision.enabled and cfg.trainer.strategy == "fsdp" and world_size > 1
+    return s.mixed_precision.enabled and s.parallel.strategy == "fsdp" and world_size > 1
 
 
-def parallel_settings(cfg: Config, world_size: int, ocfg=None) -> D.ParallelSettings:
-    t, mem, o = cfg.trainer, cfg.memory_optim, ocfg or cfg.actor.optimizer
-    dp = t.data_parallel_size or (1 if t.strategy == "fsdp" else world_size)
+def parallel_settings(s: PolicySettings, world_size: int, ocfg=None) -> D.ParallelSettings:
+    p, mem, o = s.parallel, s.memory, ocfg or s.optimizer
+    dp = p.data_parallel_size or (1 if p.strategy == "fsdp" else world_size)
     return D.ParallelSettings(
         world_size=world_size, data_parallel_size=dp if world_size % dp == 0 else 1,
         param_offload=mem.param_offload, optimizer_offload=mem.optimizer_offload,
-        mp_dtype=MP_DTYPES[cfg.mixed_precision.dtype] if sharded_precision(cfg, world_size) else None,
-        zero_stage=t.zero_stage, grad_clip=o.grad_clip, optimizer=lambda params: make_optimizer(params, o)[0])
+        mp_dtype=MP_DTYPES[s.mixed_precision.dtype] if sharded_precision(s, world_size) else None,
+        zero_stage=p.zero_stage, grad_clip=o.grad_clip, optimizer=lambda params: make_optimizer(params, o)[0])
 
 
-def update_settings(cfg: Config, world_size: int = 1) -> UpdateSettings:
-    algo = resolve(cfg.algorithm)
-    a = cfg.algorithm
-    loop = LoopSettings(ppo_epochs=cfg.actor.ppo_epochs, mini_batch_size=cfg.actor.ppo_mini_batch_size,
-                        micro_batch_size=cfg.actor.ppo_micro_batch_size,
-                        max_tokens=cfg.actor.ppo_max_token_len_per_worker, grad_clip=cfg.actor.optimizer.grad_clip,
-                        norm_const=float(cfg.engine.max_new_tokens), seed=cfg.trainer.seed)
-    return UpdateSettings(
-        loop=loop, temperature=cfg.engine.temperature or 1.0,
-        beta=a.kl_loss_coef if algo.use_kl_loss else 0.0, kl_loss_type=algo.kl_loss_type,
-        entropy_coeff=a.entropy_coeff, policy_loss=algo.policy_loss,
-        loss=PolicyLossParams(clip_low=a.clip_epsilon, clip_high=algo.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-                              agg_mode=algo.loss_agg_mode),
-        autocast_dtype=cfg.mixed_precision.dtype if cfg.mixed_precision.enabled and
-        not sharded_precision(cfg, world_size) else None)
+def update_for(s: PolicySettings, world_size: int) -> UpdateSettings:
+    """The update settings on `world_size` workers: with FSDP's parameter dtype there is no autocast."""
+    return replace(s.update, autocast_dtype=None) if sharded_precision(s, world_size) else s.update
 
 
 def rng_state() -> dict:
@@ -79,23 +65,23 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def make_scaler(cfg: Config, model: torch.nn.Module) -> torch.amp.GradScaler | None:
+def make_scaler(s: PolicySettings, model: torch.nn.Module) -> torch.amp.GradScaler | None:
     """Dynamic loss scaling for fp16 (bf16 has fp32's range and needs none)."""
-    mp = cfg.mixed_precision
+    mp = s.mixed_precision
     if not (mp.enabled and mp.dtype == "fp16" and mp.loss_scale == "dynamic"):
         return None
     return torch.amp.GradScaler(next(model.parameters()).device.type)
 
 
 class PolicyWorker:
-    """One policy worker: rank `spec.rank` of the group. The constructor only reads the config; setup()
-    joins the process group and builds the model (wrapped by trainer.strategy when there are several
-    workers), the reference, the critic and their optimizers."""
+    """One policy worker: rank `spec.rank` of the group. The constructor keeps its settings (the plan's slice,
+    components/plan.py); setup() joins the process group and builds the model (wrapped by the strategy when
+    there are several workers), the reference, the critic and their optimizers."""
 
-    def __init__(self, cfg_dict: dict):
-        self.cfg = Config.model_validate(cfg_dict)
-        torch.set_num_threads(self.cfg.trainer.num_threads)
-        seed_everything(self.cfg.trainer.seed)
+    def __init__(self, settings: PolicySettings):
+        self.s = settings
+        torch.set_num_threads(settings.num_threads)
+        seed_everything(settings.seed)
 
     def address(self) -> tuple[str, int]:
         """This worker's node address and a free port on it (rank 0's are the group's rendezvous)."""
@@ -104,22 +90,21 @@ class PolicyWorker:
         return ray.util.get_node_ip_address(), D.free_port()
 
     def setup(self, spec: D.GroupSpec) -> int:
-        cfg = self.cfg
+        s = self.s
         D.join_group(spec)
         self.rank, self.world_size, self.comm = spec.rank, spec.world_size, D.make_comm()
-        m = cfg.actor.model
-        algo = resolve(cfg.algorithm)
+        m = s.model
         self.tokenizer = load_tokenizer(m.path)
         self.model = self._wrap(load_model(m.path, m.dtype, m.attention_implementation))
         ref = None
-        if algo.needs_reference and cfg.trainer.ref_placement == "colocate":
+        if s.reference:
             ref = load_model(m.path, m.dtype, m.attention_implementation).eval().requires_grad_(False)
-        settings = update_settings(cfg, spec.world_size)
-        opt, sched = self._optimizer(self.model, cfg.actor.optimizer)
-        self.trainer = PolicyTrainer(self.model, ref, opt, sched, settings, self.comm, make_scaler(cfg, self.model))
-        self.critic = self._make_critic(settings) if algo.needs_critic else None
+        settings = update_for(s, spec.world_size)
+        opt, sched = self._optimizer(self.model, s.optimizer)
+        self.trainer = PolicyTrainer(self.model, ref, opt, sched, settings, self.comm, make_scaler(s, self.model))
+        self.critic = self._make_critic(settings) if s.critic is not None else None
         self.compression = self._compression()
-        self.need_old = cfg.algorithm.use_kl_in_reward
+        self.need_old = s.need_old
         self.version = 0
         return os.getpid()
 
@@ -134,16 +119,16 @@ class PolicyWorker:
     def _wrap(self, model: torch.nn.Module, ocfg=None) -> torch.nn.Module:
         """Recompute activations if asked, then the strategy's wrapper when there are several workers
         (`ocfg`: the optimizer config a DeepSpeed engine builds its optimizer from; the actor's if None)."""
-        mem = self.cfg.memory_optim
+        mem = self.s.memory
         if mem.gradient_checkpointing or mem.activation_checkpointing:
             inner = getattr(model, "backbone", model)
             inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.world_size == 1:
             return model
-        return D.STRATEGIES.get(self.cfg.trainer.strategy)(model, parallel_settings(self.cfg, self.world_size, ocfg))
+        return D.STRATEGIES.get(self.s.parallel.strategy)(model, parallel_settings(self.s, self.world_size, ocfg))
 
     def _make_critic(self, settings: UpdateSettings) -> CriticTrainer:
-        m, c = self.cfg.actor.model, self.cfg.critic
+        m, c = self.s.model, self.s.critic
         key = "critic.model_path" if c.model_path else "actor.model.path"
         model = self._wrap(ValueModel(load_model(c.model_path or m.path, m.dtype, m.attention_implementation, key)),
                            c.optimizer)
@@ -152,7 +137,7 @@ class PolicyWorker:
 
     def _compression(self) -> D.CompressionChoice | None:
         """DDP only: measure the all-reduce bandwidth once and install the gradient compression it calls for."""
-        t = self.cfg.trainer
+        t = self.s.parallel
         if self.world_size == 1 or t.strategy != "ddp":
             return None
         gbps = D.measure_allreduce_gbps(cap_gbps=t.simulated_bandwidth_gbps)
@@ -240,7 +225,7 @@ class PolicyWorker:
         """Restore everything write_checkpoint wrote (the caller verified the manifest); returns the version."""
         ckpt = Path(path)
         state = json.loads((ckpt / "worker.json").read_text())
-        loaded = load_model(ckpt / "model", self.cfg.actor.model.dtype, self.cfg.actor.model.attention_implementation,
+        loaded = load_model(ckpt / "model", self.s.model.dtype, self.s.model.attention_implementation,
                             key=f"checkpoint {ckpt}", safetensors_only=True)
         self._load_weights(self.model, loaded.state_dict())
         for name, part, opt_file in self._trained_parts():
@@ -287,27 +272,14 @@ class ColocatedWorker(PolicyWorker):
     process (and one copy of the model) fewer."""
 
     def setup(self, spec: D.GroupSpec) -> int:
-        from components.data.prompts import PromptSettings
-        from components.rollout.completions import EngineOptions
-        from components.rollout.multi_turn import MultiTurnSettings
         from components.rollout.worker import RolloutWorker
 
         pid = super().setup(spec)
-        m = self.cfg.actor.model
-        self.rollout = RolloutWorker(m.path, self.cfg.engine.type, EngineOptions.from_config(self.cfg),
-                                     self.cfg.trainer.num_threads, model=D.unwrap(self.model),
-                                     multi_turn=MultiTurnSettings.from_config(self.cfg),
-                                     prompts=PromptSettings.from_config(self.cfg))
+        self.rollout = RolloutWorker.from_settings(self.s.rollout, model=D.unwrap(self.model))
         return pid
 
     def generate(self, *args, **kwargs) -> Batch:
         return self.rollout.generate(*args, **kwargs)
-
-    def evaluate(self, *args, **kwargs) -> dict[str, float]:
-        return self.rollout.evaluate(*args, **kwargs)
-
-    def decode(self, batch: Batch) -> list[str]:
-        return self.rollout.decode(batch)
 
     def weights_version(self) -> int:
         return self.rollout.weights_version()
@@ -322,12 +294,11 @@ class ReferenceWorker:
     """The frozen reference policy in a Ray actor of its own (trainer.ref_placement=separate): log-probs of
     the responses, so the policy workers hold no second copy of the model."""
 
-    def __init__(self, cfg_dict: dict):
-        cfg = Config.model_validate(cfg_dict)
-        torch.set_num_threads(cfg.trainer.num_threads)
-        m = cfg.actor.model
+    def __init__(self, s: ReferenceSettings):
+        torch.set_num_threads(s.num_threads)
+        m = s.model
         self.model = load_model(m.path, m.dtype, m.attention_implementation).eval().requires_grad_(False)
-        self.temperature, self.micro = cfg.engine.temperature or 1.0, cfg.actor.ppo_micro_batch_size
+        self.temperature, self.micro = s.temperature, s.micro_batch_size
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
         return batch_logprobs(self.model, batch, self.temperature, self.micro)

@@ -11,10 +11,18 @@ from components.batch import Batch
 from components.config import load_config
 from components.config.schema import AlgorithmConfig
 from components.rewards.registry import REWARDS
+from components.plan import RewardSettings
+from components.rewards.registry import score_with_config
 from components.rl import add_advantages, add_rewards, concat_rounds, first_groups, informative_rows
 
 REWARD_CFG = load_config(None)
-ACCEPT_ALL = load_config(None, ["reward.max_invalid_frac=1.0"])
+SETTINGS = RewardSettings(overlong=(16, 0, 1.0))  # no overlong penalty; at most half the rewards invalid
+ACCEPT_ALL = RewardSettings(overlong=(16, 0, 1.0), max_invalid_frac=1.0)
+
+
+def local(texts, truths, sources, extras):
+    """Scoring in this process, with the default config's scorers."""
+    return score_with_config(texts, truths, sources, extras, REWARD_CFG)
 
 
 @pytest.fixture
@@ -41,7 +49,7 @@ def rollout(n_prompts=2, n=3, lengths=None, source="test/invalid"):
 
 
 def test_invalid_rewards_are_counted_zero_advantage_and_masked_out(nan_scorer):
-    batch, m = add_rewards(rollout(), ["1", "0", "nan", "1", "none", "inf"], REWARD_CFG)
+    batch, m = add_rewards(rollout(), ["1", "0", "nan", "1", "none", "inf"], SETTINGS, local)
     assert m["reward/invalid_count"] == 3.0
     assert batch.tensors["valid"].tolist() == [True, True, False, True, False, False]
     out, _ = add_advantages(batch, resolve(AlgorithmConfig(name="grpo")))
@@ -58,7 +66,7 @@ def test_invalid_rewards_never_reach_the_loss(nan_scorer, tokenizer):
     from tests.conftest import make_model
 
     texts = ["nan", "none", "inf", "nan", "none", "inf"]  # every reward invalid (a run would stop on it:
-    batch, _ = add_rewards(rollout(), texts, ACCEPT_ALL)  # test_too_many_invalid_rewards_stop_the_run)
+    batch, _ = add_rewards(rollout(), texts, ACCEPT_ALL, local)  # test_too_many_invalid_rewards_stop_the_run)
     batch, _ = add_advantages(batch, resolve(AlgorithmConfig(name="grpo")))
     torch.manual_seed(0)
     model = make_model(tokenizer)
@@ -79,12 +87,12 @@ def test_too_many_invalid_rewards_stop_the_run(nan_scorer):
     batch.meta["iteration"] = 1
     with pytest.raises(RewardError, match=r"iteration 1: 4 of 6 rewards are invalid .*'test/invalid'.* more than "
                                           r"reward\.max_invalid_frac=0\.5"):
-        add_rewards(batch, ["nan", "none", "inf", "nan", "1", "1"], REWARD_CFG)
+        add_rewards(batch, ["nan", "none", "inf", "nan", "1", "1"], SETTINGS, local)
 
 
 def test_a_reward_of_the_wrong_type_names_the_function_sample_and_type():
     from components.errors import RewardError
-    from components.rewards.registry import score_batch
+    from components.rewards.registry import score_with_config
 
     def answers_yes(text, truth, extra):
         return text == truth  # a bool: 1.0 and 0.0 were meant, True reads as no reward at all
@@ -93,14 +101,14 @@ def test_a_reward_of_the_wrong_type_names_the_function_sample_and_type():
     try:
         with pytest.raises(RewardError, match=r"reward function .*answers_yes returned bool True for sample 0 "
                                               r"\(data_source 'test/bool', response '1'\)"):
-            score_batch(["1", "2"], ["1", "1"], ["test/bool"] * 2, [{}, {}], REWARD_CFG)
+            score_with_config(["1", "2"], ["1", "1"], ["test/bool"] * 2, [{}, {}], REWARD_CFG)
     finally:
         del REWARDS["test/bool"]
 
 
 def test_overlong_penalty_goes_into_rewards_not_scores():
-    batch, m = add_rewards(rollout(1, 3, [2, 4, 5], "arith"), ["#### 1", "#### 1", "#### 2"], REWARD_CFG,
-                           overlong=(5, 2, 1.0))
+    batch, m = add_rewards(rollout(1, 3, [2, 4, 5], "arith"), ["#### 1", "#### 1", "#### 2"],
+                           RewardSettings(overlong=(5, 2, 1.0)), local)
     # lengths 2, 4, 5 with max 5, buffer 2: penalties 0, -0.5, -1
     torch.testing.assert_close(batch.tensors["scores"], torch.tensor([1.0, 1.0, 0.0]))
     torch.testing.assert_close(batch.tensors["token_rewards"].sum(-1), torch.tensor([1.0, 0.5, -1.0]))
@@ -119,7 +127,7 @@ def test_greedy_baseline_is_scored_once_per_prompt_for_remax():
     try:
         b = rollout(2, 3, source="test/count").union(baseline_responses=torch.ones(6, 2, dtype=torch.long),
                                                      baseline_mask=torch.ones(6, 2, dtype=torch.long))
-        out, m = add_rewards(b, ["1", "0", "0", "0", "0", "1"], REWARD_CFG,
+        out, m = add_rewards(b, ["1", "0", "0", "0", "0", "1"], SETTINGS, local,
                              baseline_texts=["1", "1", "1", "0", "0", "0"])
     finally:
         del REWARDS["test/count"]
@@ -130,7 +138,7 @@ def test_greedy_baseline_is_scored_once_per_prompt_for_remax():
 
 
 def test_kl_in_reward_through_the_advantage_stage(nan_scorer):
-    batch, _ = add_rewards(rollout(1, 2), ["1", "0"], REWARD_CFG)
+    batch, _ = add_rewards(rollout(1, 2), ["1", "0"], SETTINGS, local)
     batch = batch.union(old_logprobs=torch.tensor([[-1.0, -1.0], [-1.0, -1.0]]),
                         ref_logprobs=torch.tensor([[-2.0, -2.0], [-1.0, -1.0]]))
     _, m = add_advantages(batch, resolve(AlgorithmConfig(name="reinforce_plus_plus")), kl_coef=0.1, kl_kind="k1")

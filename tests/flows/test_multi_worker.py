@@ -65,18 +65,19 @@ UPDATE_ACROSS_NODES = textwrap.dedent("""
     import json, sys
     import ray
     from components.config import load_config
-    from components.training.ray_workers import Workers, ensure_ray, start_policy_group, stop_workers
+    from components.plan import make_plan
+    from components.training.ray_workers import ensure_ray, policy_group
     from tests.components.training.test_actor import synthetic_batch
     from components.models import build_char_tokenizer
 
     ensure_ray()  # RAY_ADDRESS: the two-node cluster, our code shipped to it
     cfg = load_config(None, [f"actor.model.path={sys.argv[1]}", "data.batch_size=2", "engine.n=4",
                              "trainer.num_workers=2", "trainer.strategy=fsdp", "trainer.num_threads=1"])
-    actors, pids = start_policy_group(cfg, 2)
-    nodes = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for a in actors])
-    metrics = Workers(actors, None, 300.0, {"policy": pids}).call("policy", "update",
-                                                                  synthetic_batch(build_char_tokenizer()))
-    stop_workers(Workers(actors, actors[0]))
+    group = policy_group(make_plan(cfg), 2)
+    nodes = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+                     for a in group.actors])
+    metrics = group.update(synthetic_batch(build_char_tokenizer()))
+    group.stop()
     print(json.dumps({"nodes": nodes, "grad_norm": metrics["actor/grad_norm"]}))
 """)
 

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from components.config import load_config
-from components.rewards.registry import REWARDS, score_batch
+from components.rewards.registry import REWARDS, score_with_config, scorers_for
 from components.training.ray_workers import score_in_worker
 
 CFG = load_config(None)
@@ -28,8 +28,8 @@ def test_scorer_process_death_is_retried_with_identical_results(tmp_path, ray_lo
 
     REWARDS["test/dies"] = lambda rm: dying
     try:
-        scored = score_in_worker(TEXTS, TRUTHS, ["test/dies"] * 4, [{}] * 4, CFG)
-        expected = score_batch(TEXTS, TRUTHS, ["test/dies"] * 4, [{}] * 4, CFG)
+        scored = score_in_worker(TEXTS, TRUTHS, ["test/dies"] * 4, [{}] * 4, scorers_for(["test/dies"], CFG))
+        expected = score_with_config(TEXTS, TRUTHS, ["test/dies"] * 4, [{}] * 4, CFG)
     finally:
         del REWARDS["test/dies"]
     assert os.path.exists(marker)
@@ -49,7 +49,7 @@ def test_a_raising_scorer_fails_fast_naming_the_sample(tmp_path, ray_local):
     REWARDS["test/raises"] = lambda rm: buggy
     try:
         with pytest.raises(Exception, match=r"failed on sample 2 \(response '#### 4'.*bad parse"):
-            score_in_worker(TEXTS, TRUTHS, ["test/raises"] * 4, [{}] * 4, CFG)
+            score_in_worker(TEXTS, TRUTHS, ["test/raises"] * 4, [{}] * 4, scorers_for(["test/raises"], CFG))
     finally:
         del REWARDS["test/raises"]
     assert attempts.read_text().splitlines() == TEXTS[:3]  # one attempt, stopped at the bad sample
@@ -71,7 +71,7 @@ def test_a_hung_worker_call_is_stopped_at_its_timeout_with_no_process_left(tmp_p
 
     import ray
 
-    from components.training.ray_workers import StageTimeout, Workers
+    from components.training.ray_workers import PolicyGroup, StageTimeout
 
     child_file = tmp_path / "child_pid"
 
@@ -86,10 +86,10 @@ def test_a_hung_worker_call_is_stopped_at_its_timeout_with_no_process_left(tmp_p
 
     actor = ray.remote(num_cpus=0, max_restarts=0)(Hangs).remote()
     pid = ray.get(actor.pid.remote())
-    workers = Workers(policy=[actor], rollout=actor, timeout_s=3, pids={"policy": [pid], "rollout": [pid]})
+    policy = PolicyGroup([actor], [pid], timeout_s=3)
     start = time.time()
     with pytest.raises(StageTimeout, match=r"policy worker: work did not finish within 3 s .*were killed"):
-        workers.call("policy", "work")
+        policy.wait([actor.work.remote()], "work")
     assert time.time() - start < 30
     child = int(child_file.read_text())
     deadline = time.time() + 10

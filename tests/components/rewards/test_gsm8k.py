@@ -7,7 +7,7 @@ import pytest
 from components.config import load_config
 from components.errors import RewardError
 from components.rewards import gsm8k
-from components.rewards.registry import REWARDS, score_batch
+from components.rewards.registry import REWARDS, score_with_config
 
 
 @pytest.mark.parametrize("text,truth,expected", [
@@ -35,11 +35,11 @@ def test_score_batch_counts_invalid_and_names_failing_sample():
     REWARDS["test/nan"] = lambda rm: (lambda text, truth, extra: float("nan") if text == "bad" else 1.0)
     REWARDS["test/raise"] = lambda rm: (lambda text, truth, extra: 1 / 0)
     try:
-        scores, valid, _ = score_batch(["ok", "bad"], ["1", "1"], ["test/nan"] * 2, [{}, {}], cfg)
+        scores, valid, _ = score_with_config(["ok", "bad"], ["1", "1"], ["test/nan"] * 2, [{}, {}], cfg)
         assert scores == [1.0, 0.0] and valid == [True, False] and all(math.isfinite(s) for s in scores)
         with pytest.raises(RewardError, match="sample 0"):
-            score_batch(["x"], ["1"], ["test/raise"], [{}], cfg)
+            score_with_config(["x"], ["1"], ["test/raise"], [{}], cfg)
         with pytest.raises(KeyError, match="no reward scorer registered"):
-            score_batch(["x"], ["1"], ["unknown"], [{}], cfg)
+            score_with_config(["x"], ["1"], ["unknown"], [{}], cfg)
     finally:
         REWARDS.pop("test/nan"), REWARDS.pop("test/raise")

@@ -10,7 +10,7 @@ import pytest
 from components.config import load_config
 from components.errors import ConfigError, RewardError
 from components.rewards import countdown, math_eq
-from components.rewards.registry import score_batch, scorer_for
+from components.rewards.registry import score_with_config, scorer_for, scorers_for
 
 
 @pytest.mark.parametrize("text,truth,expected", [
@@ -70,7 +70,7 @@ def test_sub_scores_are_returned_per_row():
 
     REWARDS["test/subs"] = lambda cfg: (lambda text, truth, extra: {"score": 1.0, "length": float(len(text))})
     try:
-        scores, valid, subs = score_batch(["ab", "abc"], ["", ""], ["test/subs"] * 2, [{}, {}], load_config(None))
+        scores, valid, subs = score_with_config(["ab", "abc"], ["", ""], ["test/subs"] * 2, [{}, {}], load_config(None))
     finally:
         del REWARDS["test/subs"]
     assert scores == [1.0, 1.0] and valid == [True, True] and subs == {"length": [2.0, 3.0]}
@@ -92,11 +92,11 @@ def test_custom_reward_function_loaded_by_path(tmp_path, monkeypatch):
             return 1 / 0
         """)
     cfg = load_config(None, ["custom_reward_function.path=rewards/mine.py"])
-    scores, _, subs = score_batch(["x 42", "x"], ["42", "42"], ["anything", "arith"], [{}, {}], cfg)
+    scores, _, subs = score_with_config(["x 42", "x"], ["42", "42"], ["anything", "arith"], [{}, {}], cfg)
     assert scores == [1.0, 0.0] and subs == {"length": [4.0, 1.0]}
     broken = load_config(None, ["custom_reward_function.path=rewards/mine.py", "custom_reward_function.name=broken"])
     with pytest.raises(RewardError, match=r"mine.py:5: ZeroDivisionError"):
-        score_batch(["x"], ["1"], ["arith"], [{}], broken)
+        score_with_config(["x"], ["1"], ["arith"], [{}], broken)
 
 
 def test_custom_reward_function_errors_name_file_and_line(tmp_path, monkeypatch):
@@ -123,5 +123,5 @@ def test_custom_reward_function_scores_in_a_ray_worker(tmp_path, monkeypatch, ra
     monkeypatch.chdir(tmp_path)
     write(tmp_path / "mine.py", "def compute_score(text, truth, extra):\n    return float(text == truth)\n")
     cfg = load_config(None, ["custom_reward_function.path=mine.py"])
-    scores, valid, _ = score_in_worker(["1", "2"], ["1", "1"], ["arith"] * 2, [{}, {}], cfg)
+    scores, valid, _ = score_in_worker(["1", "2"], ["1", "1"], ["arith"] * 2, [{}, {}], scorers_for(["arith"], cfg))
     assert scores == [1.0, 0.0] and valid == [True, True]

@@ -10,6 +10,7 @@ import torch
 from components.data.formats import make_row
 from components.errors import ConfigError
 from components.rollout.base import SamplingParams
+from components.plan import make_plan
 from components.training.ray_workers import start_workers, stop_workers
 from tests.components.training.test_actor import synthetic_batch
 from tests.components.training.test_distributed import config, ray_up  # noqa: F401 (fixture)
@@ -20,16 +21,17 @@ PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
 
 
 def samples(placement: str, model_dir, tokenizer) -> tuple[bool, list[torch.Tensor]]:
-    workers = start_workers(config(model_dir, f"trainer.rollout_placement={placement}"))
+    workers = start_workers(make_plan(config(model_dir, f"trainer.rollout_placement={placement}")))
     try:
-        before = workers.call("rollout", "generate", ROWS, PARAMS, 7, 1, 0)
-        workers.call("policy", "update", synthetic_batch(tokenizer, seed=0))
+        before = workers.rollout.generate(ROWS, PARAMS, 7, 1, 0)
+        workers.policy.update(synthetic_batch(tokenizer, seed=0))
         with pytest.raises(RuntimeError, match="sync weights before sampling"):
-            workers.call("rollout", "generate", ROWS, PARAMS, 7, 2, 1)  # the update made version 1
+            workers.rollout.generate(ROWS, PARAMS, 7, 2, 1)  # the update made version 1
         version = workers.push_weights()
-        after = workers.call("rollout", "generate", ROWS, PARAMS, 7, 2, version)
-        assert version == 1 and workers.call("rollout", "weights_version") == 1
-        return workers.colocated, [b.tensors[k] for b in (before, after) for k in ("responses", "rollout_logprobs")]
+        after = workers.rollout.generate(ROWS, PARAMS, 7, 2, version)
+        assert version == 1 and workers.rollout.versions() == [1]
+        return workers.rollout.colocated, [b.tensors[k] for b in (before, after)
+                                           for k in ("responses", "rollout_logprobs")]
     finally:
         stop_workers(workers)
 

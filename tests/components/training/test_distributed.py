@@ -10,7 +10,8 @@ import torch
 
 from components.config import load_config
 from components.training.loop import balanced_shards
-from components.training.ray_workers import Workers, ensure_ray, start_policy_group, stop_workers
+from components.plan import make_plan
+from components.training.ray_workers import ensure_ray, policy_group
 from tests.components.training.test_actor import synthetic_batch
 
 
@@ -29,14 +30,13 @@ def config(model_dir, *extra: str):
 
 
 def one_update(cfg, tokenizer, n: int, steps: int = 1) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    actors, pids = start_policy_group(cfg, n)
-    workers = Workers(actors, None, 300.0, {"policy": pids})
+    group = policy_group(make_plan(cfg), n)
     try:
-        metrics = [workers.call("policy", "update", synthetic_batch(tokenizer, seed=s)) for s in range(steps)]
-        weights = ray.get([a.get_weights.remote() for a in actors])[0][0]  # every rank joins the gather
+        metrics = [group.update(synthetic_batch(tokenizer, seed=s)) for s in range(steps)]
+        weights = ray.get([a.get_weights.remote() for a in group.actors])[0][0]  # every rank joins the gather
         return {k: v.clone() for k, v in weights.items()}, metrics
     finally:
-        stop_workers(Workers(actors, actors[0]))
+        group.stop()
 
 
 INITIAL: dict[str, torch.Tensor] = {}
@@ -114,8 +114,8 @@ def test_a_group_shrinks_to_what_the_cluster_holds(ray_up, tiny_model_dir):
 
     free = int(ray.cluster_resources()["CPU"]) - 1  # the rollout actor takes one
     cfg = config(tiny_model_dir, "data.batch_size=16", "engine.n=4", "trainer.num_workers=64")
-    n = workers_that_fit(cfg)
+    n = workers_that_fit(make_plan(cfg))
     assert n == max(k for k in range(1, free + 1) if 64 % k == 0)  # fits, and still splits the batch evenly
     with pytest.raises(RuntimeError, match=r"room for \d+ policy workers .* trainer.min_workers=64"):
-        workers_that_fit(config(tiny_model_dir, "data.batch_size=16", "engine.n=4", "trainer.num_workers=64",
-                                "trainer.min_workers=64"))
+        workers_that_fit(make_plan(config(tiny_model_dir, "data.batch_size=16", "engine.n=4",
+                                          "trainer.num_workers=64", "trainer.min_workers=64")))

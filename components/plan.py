@@ -1,0 +1,192 @@
+"""The run plan: everything a training run decides from its Config, decided once, in the driver.
+
+`make_plan(cfg)` resolves the algorithm preset (the only place that does), the sampling, update, parallel,
+engine, multi-turn, reward and evaluation settings and the placement of the workers. Each worker receives its
+own slice (PolicySettings, RolloutSettings, ReferenceSettings) and nothing downstream reads the Config again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from components.algorithms.presets import ResolvedAlgorithm, resolve
+from components.config.schema import Config, CriticConfig, MemoryOptimConfig, MixedPrecisionConfig, ModelConfig, \
+    OptimizerConfig
+from components.data.prompts import PromptSettings
+from components.rollout.base import SamplingParams
+from components.rollout.completions import EngineOptions
+from components.rollout.multi_turn import MultiTurnSettings
+from components.rollout.worker import RolloutSettings
+
+
+def resolve_algorithm(cfg: Config) -> ResolvedAlgorithm:
+    """The algorithm preset with the user's keys over it (KeyError naming a bad name): the one resolution."""
+    return resolve(cfg.algorithm)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How several policy workers share the update (trainer.strategy and its knobs)."""
+
+    strategy: str = "ddp"
+    data_parallel_size: int | None = None
+    zero_stage: int = 2
+    grad_compression: str = "auto"
+    compression_fp16_below_gbps: float = 2.0
+    compression_powersgd_below_gbps: float = 0.2
+    simulated_bandwidth_gbps: float | None = None
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """What a policy worker is built from: the policy, its optimizer and update, the critic, the reference,
+    precision and memory options, and (colocated) the rollout engine it serves."""
+
+    model: ModelConfig
+    optimizer: OptimizerConfig
+    algorithm: ResolvedAlgorithm
+    update: "object"  # components.training.actor.UpdateSettings (imported lazily: torch)
+    mixed_precision: MixedPrecisionConfig
+    memory: MemoryOptimConfig
+    parallel: ParallelPlan
+    critic: CriticConfig | None = None  # None: no critic (the estimator needs no values)
+    reference: bool = False  # a frozen reference beside the policy (KL loss or KL in reward, colocated)
+    need_old: bool = False  # old log-probs even on-policy (KL in reward)
+    seed: int = 0
+    num_threads: int = 2
+    rollout: RolloutSettings | None = None  # colocated: policy worker 0 also serves the rollout engine
+
+
+@dataclass(frozen=True)
+class ReferenceSettings:
+    """The frozen reference in an actor of its own (trainer.ref_placement=separate)."""
+
+    model: ModelConfig
+    temperature: float
+    micro_batch_size: int | None
+    num_threads: int
+
+
+@dataclass(frozen=True)
+class RewardSettings:
+    """How scores become rewards."""
+
+    overlong: tuple[int, int, float]  # DAPO: (max_new_tokens, buffer tokens, penalty factor); buffer 0 = off
+    rule_weight: float = 1.0
+    model_weight: float = 1.0
+    max_invalid_frac: float = 0.5
+    kl_penalty: str = "k1"
+    concurrency: int = 2  # sandbox.concurrency: sandboxed scorers at once
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """Held-out evaluation: greedy accuracy and mean@k / pass@k."""
+
+    k: int
+    size: int | None
+    max_new_tokens: int
+    seed: int
+    temperature: float
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the actors go (trainer.num_workers, *_placement, engine.num_engines, worker resources)."""
+
+    num_workers: int
+    min_workers: int
+    worker_resources: dict
+    rollout_placement: str  # auto | colocate | separate
+    separate_reference: bool
+    num_engines: int
+    engine_gpus: float
+    health_check: bool
+    health_check_timeout_s: float
+    stage_timeout_s: float
+    reward_model: str | None  # reward_model.path
+    reward_model_dtype: str = "float32"
+    reward_model_batch_size: int = 32
+
+    def colocated(self, n: int, engine_type: str) -> bool:
+        """The rollout engine in policy worker 0: asked for, or auto with one worker and one hf engine."""
+        return self.rollout_placement == "colocate" or (
+            self.rollout_placement == "auto" and n == 1 and engine_type == "hf" and self.num_engines == 1)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    algorithm: ResolvedAlgorithm
+    sampling: SamplingParams
+    policy: PolicySettings
+    rollout: RolloutSettings
+    reference: ReferenceSettings | None
+    placement: Placement
+    rewards: RewardSettings
+    evaluation: EvalSettings
+    seed: int
+    batch_size: int
+    shuffle: bool
+    iterations: int
+    test_interval: int
+    save_interval: int
+    max_gen_rounds: int  # dynamic sampling's generation rounds per iteration
+    kl_in_reward: tuple[float, str, float, int] | None  # (start, fixed|adaptive, target, horizon)
+    max_worker_rebuilds: int
+    params: dict  # the config flattened, the preset's values filled in: the MLflow run's params
+
+
+def make_plan(cfg: Config) -> RunPlan:
+    """Resolve everything a training run needs from its validated config, once."""
+    from components.training.actor import update_settings
+
+    algo = resolve_algorithm(cfg)
+    a, e, t, m = cfg.algorithm, cfg.engine, cfg.trainer, cfg.actor.model
+    rollout = RolloutSettings(m.path, e.type, EngineOptions.from_config(cfg), t.num_threads,
+                              MultiTurnSettings.from_config(cfg), PromptSettings.from_config(cfg))
+    placement = Placement(
+        num_workers=t.num_workers, min_workers=t.min_workers, worker_resources=dict(t.worker_resources),
+        rollout_placement=t.rollout_placement, separate_reference=algo.needs_reference and t.ref_placement == "separate",
+        num_engines=e.num_engines, engine_gpus=e.num_gpus if e.num_gpus is not None else
+        (0 if e.type == "hf" else e.tensor_parallel_size), health_check=e.health_check,
+        health_check_timeout_s=e.health_check_timeout_s, stage_timeout_s=float(t.stage_timeout_s),
+        reward_model=cfg.reward_model.path, reward_model_dtype=cfg.reward_model.dtype,
+        reward_model_batch_size=cfg.reward_model.batch_size)
+    policy = PolicySettings(
+        model=m, optimizer=cfg.actor.optimizer, algorithm=algo, update=update_settings(cfg, algo),
+        mixed_precision=cfg.mixed_precision, memory=cfg.memory_optim,
+        parallel=ParallelPlan(t.strategy, t.data_parallel_size, t.zero_stage, t.grad_compression,
+                              t.compression_fp16_below_gbps, t.compression_powersgd_below_gbps,
+                              t.simulated_bandwidth_gbps),
+        critic=cfg.critic if algo.needs_critic else None,
+        reference=algo.needs_reference and t.ref_placement == "colocate", need_old=a.use_kl_in_reward, seed=t.seed,
+        num_threads=t.num_threads, rollout=rollout)
+    reference = ReferenceSettings(m, e.temperature or 1.0, cfg.actor.ppo_micro_batch_size, t.num_threads) \
+        if placement.separate_reference else None
+    max_len = e.max_new_tokens
+    return RunPlan(
+        algorithm=algo,
+        sampling=SamplingParams(n=e.n, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
+                                max_new_tokens=e.max_new_tokens),
+        policy=policy, rollout=rollout, reference=reference, placement=placement,
+        rewards=RewardSettings((max_len, round(algo.overlong_buffer_frac * max_len), a.overlong_penalty_factor),
+                               cfg.reward_model.rule_weight, cfg.reward_model.model_weight,
+                               cfg.reward.max_invalid_frac, a.kl_penalty, cfg.sandbox.concurrency),
+        evaluation=EvalSettings(t.eval_k, t.eval_size, e.max_new_tokens, t.seed, e.temperature or 1.0),
+        seed=t.seed, batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle, iterations=t.iterations,
+        test_interval=t.test_interval, save_interval=t.save_interval, max_gen_rounds=a.max_num_gen_batches,
+        kl_in_reward=(a.kl_coef, a.kl_ctrl, a.kl_target, a.kl_horizon) if a.use_kl_in_reward else None,
+        max_worker_rebuilds=t.max_worker_rebuilds, params=run_params(cfg, algo))
+
+
+def run_params(cfg: Config, algo: ResolvedAlgorithm) -> dict:
+    """The config as flat params, each algorithm key at the value the run uses (a preset's, where unset)."""
+    from dataclasses import asdict
+
+    from components.config import flatten
+
+    params = flatten(cfg)
+    for key, value in asdict(algo).items():
+        if params.get(f"algorithm.{key}") is None:
+            params[f"algorithm.{key}"] = value
+    return params

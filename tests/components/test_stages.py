@@ -1,0 +1,50 @@
+"""Each stage declares the config keys it reads once (components/stages.py): dvc.yaml's params, the Prefect
+cache keys and the resume fingerprint follow from those declarations, and this test keeps dvc.yaml in step."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from components.config import flatten, load_config
+from components.stages import STAGES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def dvc_params(stage: str) -> list[str]:
+    spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]
+    return [key for entry in spec.get("params", []) for keys in entry.values() for key in keys]
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_dvc_params_are_exactly_the_declared_keys(stage):
+    assert sorted(dvc_params(stage)) == sorted(STAGES[stage].reads)
+
+
+def test_every_declared_key_exists_in_the_config_and_the_params_file():
+    """DVC reads each param from configs/arith_grpo.yaml: a key missing there is one DVC cannot track."""
+    flat = flatten(load_config(None))
+    in_file = flatten(load_config(ROOT / "configs" / "arith_grpo.yaml"))
+    raw = yaml.safe_load((ROOT / "configs" / "arith_grpo.yaml").read_text())
+    for stage, keys in STAGES.items():
+        for key in keys.reads:
+            assert any(k == key or k.startswith(key + ".") for k in flat), (stage, key)
+            node = raw
+            for part in key.split("."):
+                assert isinstance(node, dict) and part in node, f"{stage}: {key} is not in configs/arith_grpo.yaml"
+                node = node[part]
+    assert in_file
+
+
+def test_the_cache_keys_and_the_fingerprint_come_from_the_declarations():
+    from components.config.loader import training_keys
+    from tasks.data import CLEAN_CACHE, PREPARE_CACHE
+    from tasks.evaluate import EVAL_CACHE
+    from tasks.sft import SFT_CACHE
+
+    assert (PREPARE_CACHE.config_keys, CLEAN_CACHE.config_keys, SFT_CACHE.config_keys, EVAL_CACHE.config_keys) == \
+        tuple(STAGES[s].reads for s in ("prepare", "clean", "sft", "evaluate"))
+    keys = training_keys(load_config(None))
+    assert "algorithm.clip_epsilon" in keys and "data.batch_size" in keys and "trainer.seed" in keys
+    assert not {"trainer.iterations", "trainer.num_workers", "sft.steps", "data.num_train"} & set(keys)
