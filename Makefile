@@ -11,7 +11,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export RAY_DEDUP_LOGS := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run test test-fast install clean
+.PHONY: run test test-fast lint format install clean
 
 $(STAMP): pyproject.toml
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
@@ -31,7 +31,17 @@ run: $(STAMP)
 	$(VENV)/bin/dvc metrics show
 
 test: $(STAMP)
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
 	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+
+format: $(STAMP)
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"

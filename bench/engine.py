@@ -27,23 +27,27 @@ def main(argv: list[str] | None = None) -> None:
 
     from components.config import load_config
     from components.data.io import read_rows, to_plain
-    from components.models.loading import load_model, load_tokenizer
     from components.data.prompts import PromptSettings, encode_prompts
+    from components.models.loading import load_model, load_tokenizer
     from components.rollout.base import SamplingParams
     from components.rollout.hf import HFEngine
 
     torch.set_num_threads(2)
     ensure_models(a.workloads)
     rows = [to_plain(r) for r in read_rows(load_config(CONFIG, []).data.train_path).to_dict("records")]
-    print("| workload | transformers s/call | lean s/call | lean / transformers | tokens/s transformers / lean |")
+    print(
+        "| workload | transformers s/call | lean s/call | lean / transformers | tokens/s transformers / lean |"
+    )
     print("|---|---|---|---|---|")
     for w in a.workloads:
         spec = WORKLOADS[w]
         tok, model = load_tokenizer(model_dir(w)), load_model(model_dir(w))
-        prompts = encode_prompts(tok, [r["prompt"] for r in rows[:spec["prompts"]]], PromptSettings())
+        prompts = encode_prompts(tok, [r["prompt"] for r in rows[: spec["prompts"]]], PromptSettings())
         params = SamplingParams(n=spec["n"], temperature=1.0, max_new_tokens=spec["max_new"])
-        engines = {"hf": HFEngine(model, tok.eos_token_id, tok.pad_token_id, fast_decode=False),
-                   "lean": HFEngine(model, tok.eos_token_id, tok.pad_token_id)}
+        engines = {
+            "hf": HFEngine(model, tok.eos_token_id, tok.pad_token_id, fast_decode=False),
+            "lean": HFEngine(model, tok.eos_token_id, tok.pad_token_id),
+        }
         times: dict[str, list[float]] = {"hf": [], "lean": []}
         tokens: dict[str, list[float]] = {"hf": [], "lean": []}
         for i in range(a.reps + 1):
@@ -54,9 +58,11 @@ def main(argv: list[str] | None = None) -> None:
                     times[name].append(time.perf_counter() - start)
                     tokens[name].append(float(out.response_mask.sum()))
         hf, lean = statistics.median(times["hf"]), statistics.median(times["lean"])
-        print(f"| {w} | {hf:.4f} | {lean:.4f} | {lean / hf:.2f} | "
-              f"{statistics.median(tokens['hf']) / hf:.0f} / {statistics.median(tokens['lean']) / lean:.0f} |",
-              flush=True)
+        print(
+            f"| {w} | {hf:.4f} | {lean:.4f} | {lean / hf:.2f} | "
+            f"{statistics.median(tokens['hf']) / hf:.0f} / {statistics.median(tokens['lean']) / lean:.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -24,15 +24,18 @@ def tiny_model_dir() -> str:
     from components.models import build_char_tokenizer, build_tiny_model, save_pretrained
 
     tok = build_char_tokenizer()
-    model = build_tiny_model(tok, hidden_size=128, num_layers=2, num_heads=4, intermediate_size=512,
-                             max_positions=512, seed=0)
+    model = build_tiny_model(
+        tok, hidden_size=128, num_layers=2, num_heads=4, intermediate_size=512, max_positions=512, seed=0
+    )
     return str(save_pretrained(model, tok, tempfile.mkdtemp(prefix="gpu-check-tiny-")))
 
 
 def prompts(tokenizer, count: int) -> list[list[int]]:
     from components.data.prompts import PromptSettings, encode_prompts
 
-    texts = [[{"role": "user", "content": f"What is {a} + {3 * a + 7}? Answer after ####."}] for a in range(count)]
+    texts = [
+        [{"role": "user", "content": f"What is {a} + {3 * a + 7}? Answer after ####."}] for a in range(count)
+    ]
     return encode_prompts(tokenizer, texts, PromptSettings())
 
 
@@ -90,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     before = engine.generate(ids[:16], seeded, 0).responses
     result["same_seed_same_output"] = torch.equal(before, engine.generate(ids[:16], seeded, 0).responses)
     gen = torch.Generator().manual_seed(0)
-    noisy = {k: (v + 0.3 * v.float().std() * torch.randn(v.shape, generator=gen).to(v.device)).to(v.dtype)
-             for k, v in policy.state_dict().items()}
+    noisy = {
+        k: (v + 0.3 * v.float().std() * torch.randn(v.shape, generator=gen).to(v.device)).to(v.dtype)
+        for k, v in policy.state_dict().items()
+    }
     engine.update_weights(noisy, 1)
     after = engine.generate(ids[:16], seeded, 0).responses
     result["weight_update_changed_output"] = not torch.equal(before, after)

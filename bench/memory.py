@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import psutil
 
@@ -26,7 +26,7 @@ class PeakSampler:
                 continue
             self.peak = [max(p, v) for p, v in zip(self.peak, values)]
 
-    def __enter__(self) -> "PeakSampler":
+    def __enter__(self) -> PeakSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self

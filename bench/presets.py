@@ -33,8 +33,11 @@ def main(argv: list[str] | None = None) -> None:
     from flows.train import train_flow
     from tasks.evaluate import evaluate_model
 
-    base = list(a.overrides) + ([f"trainer.iterations={a.iterations}"] if a.iterations else []) + \
-        ["trainer.experiment_name=bench-presets", "trainer.resume_mode=disable"]
+    base = (
+        list(a.overrides)
+        + ([f"trainer.iterations={a.iterations}"] if a.iterations else [])
+        + ["trainer.experiment_name=bench-presets", "trainer.resume_mode=disable"]
+    )
     cfg = load_config(a.config, base)
     if not Path(cfg.data.train_path).is_file():
         data_flow(a.config, base)
@@ -49,14 +52,27 @@ def main(argv: list[str] | None = None) -> None:
         info = train_flow(a.config, ov, f"bench-{name}")
         wall = time.perf_counter() - start
         final = evaluate_model.fn(info["final_model"], cfg.data.eval_path, load_config(a.config, ov))
-        rows.append({"preset": name, "sft_acc": sft["acc"], "final_acc": final["acc"],
-                     "gain": final["acc"] - sft["acc"], "final_pass_at_k": final.get(f"pass_at_{cfg.trainer.eval_k}"),
-                     "train_s": round(wall, 1), "iterations": info["iterations"], "run_id": info["run_id"]})
+        rows.append(
+            {
+                "preset": name,
+                "sft_acc": sft["acc"],
+                "final_acc": final["acc"],
+                "gain": final["acc"] - sft["acc"],
+                "final_pass_at_k": final.get(f"pass_at_{cfg.trainer.eval_k}"),
+                "train_s": round(wall, 1),
+                "iterations": info["iterations"],
+                "run_id": info["run_id"],
+            }
+        )
         print(f"{name}: acc {sft['acc']:.3f} -> {final['acc']:.3f} in {wall:.0f} s", flush=True)
-    print(f"\n| preset | SFT acc | final acc | gain | pass@{cfg.trainer.eval_k} | train s |\n|---|---|---|---|---|---|")
+    print(
+        f"\n| preset | SFT acc | final acc | gain | pass@{cfg.trainer.eval_k} | train s |\n|---|---|---|---|---|---|"
+    )
     for r in rows:
-        print(f"| {r['preset']} | {r['sft_acc']:.3f} | {r['final_acc']:.3f} | {r['gain']:+.3f} | "
-              f"{r['final_pass_at_k']:.3f} | {r['train_s']:.0f} |")
+        print(
+            f"| {r['preset']} | {r['sft_acc']:.3f} | {r['final_acc']:.3f} | {r['gain']:+.3f} | "
+            f"{r['final_pass_at_k']:.3f} | {r['train_s']:.0f} |"
+        )
     write_json({"config": a.config, "overrides": base, "seed": cfg.trainer.seed, "results": rows}, a.out)
 
 

@@ -53,17 +53,25 @@ def ensure_models(workloads: list[str]) -> None:
     cfg = load_config(CONFIG, [])
     if not Path(cfg.data.train_path).is_file():
         from flows.data import data_flow
+
         data_flow(CONFIG, [])
     if not (Path(cfg.sft.output_dir) / "config.json").is_file():
         from flows.sft import sft_flow
+
         sft_flow(CONFIG, [])
     for w in workloads:
         spec, out = WORKLOADS[w], model_dir(w)
         if spec["model"] == "wide" and not (out / "config.json").is_file():
             tok = build_char_tokenizer()
-            model = build_tiny_model(tok, hidden_size=spec["hidden"], num_layers=spec["layers"],
-                                     num_heads=spec["hidden"] // 64, intermediate_size=4 * spec["hidden"],
-                                     max_positions=128, seed=SEED)
+            model = build_tiny_model(
+                tok,
+                hidden_size=spec["hidden"],
+                num_layers=spec["layers"],
+                num_heads=spec["hidden"] // 64,
+                intermediate_size=4 * spec["hidden"],
+                max_positions=128,
+                seed=SEED,
+            )
             save_pretrained(model, tok, out)
 
 
@@ -71,8 +79,8 @@ def mean_prompt_tokens(w: str) -> float:
     """Prompt tokens per row, averaged over the training data (as both trainers tokenize it)."""
     from components.config import load_config
     from components.data.io import read_rows, to_plain
-    from components.models.loading import load_tokenizer
     from components.data.prompts import PromptSettings, encode_prompts
+    from components.models.loading import load_tokenizer
 
     rows = [to_plain(r) for r in read_rows(load_config(CONFIG, []).data.train_path).to_dict("records")]
     prompts = [r["prompt"] for r in rows]
@@ -94,10 +102,15 @@ def peak_memory(rss: PeakSampler, pss: PeakSampler) -> dict:
     """Peak RSS (GiB) of this process with its descendants (Ray's workers among them), their peak PSS (shared
     pages counted once), and this process's peak RSS."""
     own, tree = rss.peak
-    return {"peak_rss_gib": tree / 2**30, "peak_pss_gib": pss.peak[0] / 2**30, "peak_rss_driver_gib": own / 2**30}
+    return {
+        "peak_rss_gib": tree / 2**30,
+        "peak_pss_gib": pss.peak[0] / 2**30,
+        "peak_rss_driver_gib": own / 2**30,
+    }
 
 
 # ---------------------------------------------------------------- children: one training run each
+
 
 def child_ours(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> dict:
     """The real training flow (Prefect, Ray, MLflow) for `steps` iterations; `extra`: more overrides."""
@@ -106,30 +119,55 @@ def child_ours(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> 
     from flows.train import train_flow
 
     spec = WORKLOADS[w]
-    overrides = [f"actor.model.path={model_dir(w)}", f"data.batch_size={spec['prompts']}", f"engine.n={spec['n']}",
-                 f"engine.max_new_tokens={spec['max_new']}", "engine.temperature=1.0", f"algorithm.kl_loss_coef={beta}",
-                 f"algorithm.clip_epsilon={CLIP}", f"actor.optimizer.lr={LR}", f"trainer.iterations={steps}",
-                 f"trainer.save_interval={steps}", f"trainer.test_interval={steps}", "trainer.eval_size=16",
-                 "trainer.eval_k=1", "trainer.save_optimizer=false", "trainer.resume_mode=disable",
-                 "trainer.progress=false", f"trainer.output_dir={out}", "trainer.experiment_name=bench-trl",
-                 f"actor.model.max_seq_len={16 + spec['max_new']}", *extra]
+    overrides = [
+        f"actor.model.path={model_dir(w)}",
+        f"data.batch_size={spec['prompts']}",
+        f"engine.n={spec['n']}",
+        f"engine.max_new_tokens={spec['max_new']}",
+        "engine.temperature=1.0",
+        f"algorithm.kl_loss_coef={beta}",
+        f"algorithm.clip_epsilon={CLIP}",
+        f"actor.optimizer.lr={LR}",
+        f"trainer.iterations={steps}",
+        f"trainer.save_interval={steps}",
+        f"trainer.test_interval={steps}",
+        "trainer.eval_size=16",
+        "trainer.eval_k=1",
+        "trainer.save_optimizer=false",
+        "trainer.resume_mode=disable",
+        "trainer.progress=false",
+        f"trainer.output_dir={out}",
+        "trainer.experiment_name=bench-trl",
+        f"actor.model.max_seq_len={16 + spec['max_new']}",
+        *extra,
+    ]
     rss, pss = memory_samplers()
     with rss, pss:
         info = train_flow(CONFIG, overrides, f"bench-trl-{w}")
     mem = peak_memory(rss, pss)
     client = mlflow.tracking.MlflowClient()
-    names = [k for k in client.get_run(info["run_id"]).data.metrics
-             if k.startswith(("timing_s/", "perf/")) or k in ("critic/score/mean", "response_length/mean")]
+    names = [
+        k
+        for k in client.get_run(info["run_id"]).data.metrics
+        if k.startswith(("timing_s/", "perf/")) or k in ("critic/score/mean", "response_length/mean")
+    ]
     hist = {m: {x.step: x for x in client.get_metric_history(info["run_id"], m)} for m in names}
     ends = {s: x.timestamp / 1000 for s, x in hist["critic/score/mean"].items()}
     step_s = [ends[s] - ends[s - 1] for s in range(2, steps)]  # not the first (warm-up) nor the last (test)
-    stages = {k: statistics.median(h[s].value for s in range(2, steps) if s in h)
-              for k, h in hist.items() if k.startswith(("timing_s/", "perf/")) and any(s in h for s in range(2, steps))}
+    stages = {
+        k: statistics.median(h[s].value for s in range(2, steps) if s in h)
+        for k, h in hist.items()
+        if k.startswith(("timing_s/", "perf/")) and any(s in h for s in range(2, steps))
+    }
     rows = spec["prompts"] * spec["n"]
-    return {"step_s": step_s, "reward": [hist["critic/score/mean"][s].value for s in sorted(ends)],
-            "gen_tokens": [hist["response_length/mean"][s].value * rows for s in sorted(ends)],
-            "stages": stages, "final_model": info["final_model"],
-            **mem}
+    return {
+        "step_s": step_s,
+        "reward": [hist["critic/score/mean"][s].value for s in sorted(ends)],
+        "gen_tokens": [hist["response_length/mean"][s].value * rows for s in sorted(ends)],
+        "stages": stages,
+        "final_model": info["final_model"],
+        **mem,
+    }
 
 
 def child_trl(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> dict:
@@ -140,16 +178,23 @@ def child_trl(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> d
 
     from components.config import load_config
     from components.data.io import read_rows, to_plain
-    from components.models.loading import load_tokenizer
     from components.data.prompts import PromptSettings, render_prompt
+    from components.models.loading import load_tokenizer
     from components.rewards.registry import scorer_for
 
     spec = WORKLOADS[w]
     cfg = load_config(CONFIG, [])
     tok = load_tokenizer(model_dir(w))
     rows = [to_plain(r) for r in read_rows(cfg.data.train_path).to_dict("records")]
-    data = Dataset.from_list([{"prompt": render_prompt(tok, r["prompt"], PromptSettings()),
-                               "ground_truth": r["reward_model"]["ground_truth"]} for r in rows])
+    data = Dataset.from_list(
+        [
+            {
+                "prompt": render_prompt(tok, r["prompt"], PromptSettings()),
+                "ground_truth": r["reward_model"]["ground_truth"],
+            }
+            for r in rows
+        ]
+    )
     score = scorer_for("arith", cfg)
 
     def reward(completions, ground_truth, **_):
@@ -163,16 +208,49 @@ def child_trl(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> d
 
     rows_per_step = spec["prompts"] * spec["n"]
     args = GRPOConfig(
-        output_dir=str(out), use_cpu=True, bf16=False, fp16=False, seed=SEED, learning_rate=LR, weight_decay=0.0,
-        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999,
-        per_device_train_batch_size=rows_per_step, gradient_accumulation_steps=1, steps_per_generation=1,
-        num_generations=spec["n"], max_completion_length=spec["max_new"], temperature=1.0, top_p=1.0, top_k=0,
-        beta=beta, epsilon=CLIP, num_iterations=1, loss_type="dapo", scale_rewards="group", max_steps=steps,
-        logging_steps=1, save_strategy="no", report_to="none", use_vllm=False, dataloader_num_workers=0,
-        disable_tqdm=True, log_completions=False)
+        output_dir=str(out),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        seed=SEED,
+        learning_rate=LR,
+        weight_decay=0.0,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        per_device_train_batch_size=rows_per_step,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=spec["n"],
+        max_completion_length=spec["max_new"],
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=beta,
+        epsilon=CLIP,
+        num_iterations=1,
+        loss_type="dapo",
+        scale_rewards="group",
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_vllm=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        log_completions=False,
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir(w), dtype="float32", attn_implementation="sdpa")
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
-                          callbacks=[Clock()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[Clock()],
+    )
     generate = trainer._generate  # timed, not changed
 
     def timed_generate(*a, **k):
@@ -194,26 +272,52 @@ def child_trl(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> d
     trainer.save_model(str(final))
     tok.save_pretrained(str(final))
     lengths = [h["completions/mean_length"] * rows_per_step for h in logs]
-    return {"step_s": step_s, "reward": [h["reward"] for h in logs], "gen_tokens": lengths,
-            "stages": {"timing_s/gen": statistics.median(timing["gen"][1:])}, "final_model": str(final), **mem}
+    return {
+        "step_s": step_s,
+        "reward": [h["reward"] for h in logs],
+        "gen_tokens": lengths,
+        "stages": {"timing_s/gen": statistics.median(timing["gen"][1:])},
+        "final_model": str(final),
+        **mem,
+    }
 
 
 def run_child(framework: str, w: str, beta: float, steps: int, tag: str, extra: list[str]) -> dict:
     out = WORK / f"{framework}_{w}_b{beta:g}_{tag}"
     res = out / "result.json"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false",
-           "PREFECT_LOGGING_LEVEL": "WARNING", "RAY_DEDUP_LOGS": "1",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    cmd = [sys.executable, "-m", "bench.trl_compare", "--child", framework, "--workload", w, "--beta", str(beta),
-           "--steps", str(steps), "--child-out", str(out)] + \
-        (["--ours-overrides", *extra] if framework == "ours" and extra else [])
+    env = {
+        **os.environ,
+        "PYTHONWARNINGS": "ignore",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "RAY_DEDUP_LOGS": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.trl_compare",
+        "--child",
+        framework,
+        "--workload",
+        w,
+        "--beta",
+        str(beta),
+        "--steps",
+        str(steps),
+        "--child-out",
+        str(out),
+    ] + (["--ours-overrides", *extra] if framework == "ours" and extra else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not res.is_file():
-        raise RuntimeError(f"{framework} {w} beta={beta} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"{framework} {w} beta={beta} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
     return json.loads(res.read_text())
 
 
 # ---------------------------------------------------------------- figures
+
 
 def matmul_flops(threads: int, size: int = 1024, seconds: float = 2.0) -> float:
     """The machine's float32 matmul FLOP/s with `threads` threads (median of repeated timings)."""
@@ -228,7 +332,7 @@ def matmul_flops(threads: int, size: int = 1024, seconds: float = 2.0) -> float:
         t = time.perf_counter()
         a @ b
         times.append(time.perf_counter() - t)
-    return 2 * size ** 3 / statistics.median(times)
+    return 2 * size**3 / statistics.median(times)
 
 
 def evaluate_acc(path: str, n_eval: int, max_new: int) -> float:
@@ -241,8 +345,15 @@ def evaluate_acc(path: str, n_eval: int, max_new: int) -> float:
     cfg = load_config(CONFIG, [])
     rows = [to_plain(r) for r in read_rows(cfg.data.eval_path).to_dict("records")][:n_eval]
     worker = RolloutWorker(path)
-    return evaluate(lambda chunk, params, seed: worker.generate(chunk, params, seed, iteration=-1), worker.decode,
-                    lambda *batch: score_with_config(*batch, cfg), rows, 1, max_new, SEED)["val/acc"]
+    return evaluate(
+        lambda chunk, params, seed: worker.generate(chunk, params, seed, iteration=-1),
+        worker.decode,
+        lambda *batch: score_with_config(*batch, cfg),
+        rows,
+        1,
+        max_new,
+        SEED,
+    )["val/acc"]
 
 
 def summarize(r: dict, rows_per_step: int, prompt_tokens: float, params: int, flops: float) -> dict:
@@ -255,10 +366,17 @@ def summarize(r: dict, rows_per_step: int, prompt_tokens: float, params: int, fl
     rollout_tps = gen_tokens / gen_s
     upd_s = r["stages"].get("timing_s/update_actor", step - gen_s)
     upd_tps = (gen_tokens + rows_per_step * prompt_tokens) / upd_s
-    return {"s_per_step": step, "min_s": min(r["step_s"]), "max_s": max(r["step_s"]), "rollout_tps": rollout_tps,
-            "rollout_frac": rollout_tps * 2 * params / flops, "update_tps": upd_tps,
-            "update_frac": upd_tps * 6 * params / flops, "peak_rss_gib": r["peak_rss_gib"],
-            "peak_pss_gib": r.get("peak_pss_gib", float("nan"))}
+    return {
+        "s_per_step": step,
+        "min_s": min(r["step_s"]),
+        "max_s": max(r["step_s"]),
+        "rollout_tps": rollout_tps,
+        "rollout_frac": rollout_tps * 2 * params / flops,
+        "update_tps": upd_tps,
+        "update_frac": upd_tps * 6 * params / flops,
+        "peak_rss_gib": r["peak_rss_gib"],
+        "peak_pss_gib": r.get("peak_pss_gib", float("nan")),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -279,7 +397,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.child:
         out = Path(a.child_out)
         out.mkdir(parents=True, exist_ok=True)
-        result = (child_ours if a.child == "ours" else child_trl)(a.workload, a.beta, a.steps, out, a.ours_overrides)
+        result = (child_ours if a.child == "ours" else child_trl)(
+            a.workload, a.beta, a.steps, out, a.ours_overrides
+        )
         (out / "result.json").write_text(json.dumps(result))
         return
 
@@ -305,16 +425,34 @@ def main(argv: list[str] | None = None) -> None:
                     r["summary"] = summarize(r, spec["prompts"] * spec["n"], prompt_tokens, params, flops)
                     r["acc"] = evaluate_acc(r.pop("final_model"), a.eval_rows, spec["max_new"])
                     pair[fw] = r
-                    print(f"{w} beta={beta:g} pair {i} {fw}: {r['summary']['s_per_step']:.3f} s/step, "
-                          f"acc {start_acc:.3f} -> {r['acc']:.3f}", flush=True)
+                    print(
+                        f"{w} beta={beta:g} pair {i} {fw}: {r['summary']['s_per_step']:.3f} s/step, "
+                        f"acc {start_acc:.3f} -> {r['acc']:.3f}",
+                        flush=True,
+                    )
                 pair["ratio"] = pair["ours"]["summary"]["s_per_step"] / pair["trl"]["summary"]["s_per_step"]
                 pairs.append(pair)
-            results.append({"workload": w, "beta": beta, "params": params, "steps": steps, "start_acc": start_acc,
-                            "pairs": pairs, "median_ratio": statistics.median(p["ratio"] for p in pairs)})
-    meta = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
-            f"{os.cpu_count()} cores", "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "trl": trl.__version__, "matmul_gflops": flops / 1e9,
-            "command": "python -m bench.trl_compare " + " ".join(argv if argv is not None else sys.argv[1:])}
+            results.append(
+                {
+                    "workload": w,
+                    "beta": beta,
+                    "params": params,
+                    "steps": steps,
+                    "start_acc": start_acc,
+                    "pairs": pairs,
+                    "median_ratio": statistics.median(p["ratio"] for p in pairs),
+                }
+            )
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "matmul_gflops": flops / 1e9,
+        "command": "python -m bench.trl_compare " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     text = report(results, meta)
     print("\n" + text)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -335,14 +473,17 @@ def _med(values) -> float:
 
 
 def report(results: list[dict], meta: dict) -> str:
-    lines = ["# reinforge vs TRL GRPOTrainer\n", f"{meta['date']}, {meta['machine']}, Python {meta['python']}, "
-             f"torch {meta['torch']}, transformers {meta['transformers']}, TRL {meta['trl']}; float32 matmul "
-             f"{meta['matmul_gflops']:.1f} GFLOP/s (2 threads). Command: `{meta['command']}`.\n",
-             "Medians over steps, then over the A/B pairs; ratio = ours / TRL seconds per step, per pair.\n",
-             "| workload | beta | params | s/step TRL (min-max) | s/step ours (min-max) | ours/TRL | rollout tok/s "
-             "TRL / ours | ours % of rollout bound | update tok/s TRL / ours | ours % of update bound | peak RSS "
-             "GiB TRL / ours | peak PSS GiB TRL / ours | held-out acc start -> TRL / ours |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# reinforge vs TRL GRPOTrainer\n",
+        f"{meta['date']}, {meta['machine']}, Python {meta['python']}, "
+        f"torch {meta['torch']}, transformers {meta['transformers']}, TRL {meta['trl']}; float32 matmul "
+        f"{meta['matmul_gflops']:.1f} GFLOP/s (2 threads). Command: `{meta['command']}`.\n",
+        "Medians over steps, then over the A/B pairs; ratio = ours / TRL seconds per step, per pair.\n",
+        "| workload | beta | params | s/step TRL (min-max) | s/step ours (min-max) | ours/TRL | rollout tok/s "
+        "TRL / ours | ours % of rollout bound | update tok/s TRL / ours | ours % of update bound | peak RSS "
+        "GiB TRL / ours | peak PSS GiB TRL / ours | held-out acc start -> TRL / ours |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         t = [p["trl"]["summary"] for p in r["pairs"]]
         o = [p["ours"]["summary"] for p in r["pairs"]]
@@ -357,22 +498,34 @@ def report(results: list[dict], meta: dict) -> str:
             f"{max(s['peak_rss_gib'] for s in t):.2f} / {max(s['peak_rss_gib'] for s in o):.2f} | "
             f"{max(s['peak_pss_gib'] for s in t):.2f} / {max(s['peak_pss_gib'] for s in o):.2f} | "
             f"{r['start_acc']:.3f} -> {_med(p['trl']['acc'] for p in r['pairs']):.3f} / "
-            f"{_med(p['ours']['acc'] for p in r['pairs']):.3f} |")
+            f"{_med(p['ours']['acc'] for p in r['pairs']):.3f} |"
+        )
     lines += ["\n## Our step, stage by stage (median seconds)\n"]
     keys = sorted({k for r in results for p in r["pairs"] for k in p["ours"]["stages"]})
     lines += ["| workload | beta | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for r in results:
         st = [p["ours"]["stages"] for p in r["pairs"]]
-        lines.append(f"| {r['workload']} | {r['beta']:g} | " + " | ".join(
-            f"{_med(s.get(k, float('nan')) for s in st):.4f}" for k in keys) + " |")
-    lines += ["\nOrchestration = timing_s/step - timing_s/gen_compute - timing_s/update_actor_compute (the rollout "
-              "and the update as timed inside the worker; the reward stage, whose scoring takes well under a "
-              "millisecond here, counts as orchestration):\n"]
+        lines.append(
+            f"| {r['workload']} | {r['beta']:g} | "
+            + " | ".join(f"{_med(s.get(k, float('nan')) for s in st):.4f}" for k in keys)
+            + " |"
+        )
+    lines += [
+        "\nOrchestration = timing_s/step - timing_s/gen_compute - timing_s/update_actor_compute (the rollout "
+        "and the update as timed inside the worker; the reward stage, whose scoring takes well under a "
+        "millisecond here, counts as orchestration):\n"
+    ]
     for r in results:
         orch = [orchestration(p["ours"]["stages"]) for p in r["pairs"]]
-        lines.append(f"- {r['workload']} beta {r['beta']:g}: {_med(o[0] for o in orch):.4f} s per step, "
-                     f"{100 * _med(o[1] for o in orch):.1f} % of the step")
-    lines += ["\n## Reward per step (first pair)\n", "| workload | beta | framework | rewards |", "|---|---|---|---|"]
+        lines.append(
+            f"- {r['workload']} beta {r['beta']:g}: {_med(o[0] for o in orch):.4f} s per step, "
+            f"{100 * _med(o[1] for o in orch):.1f} % of the step"
+        )
+    lines += [
+        "\n## Reward per step (first pair)\n",
+        "| workload | beta | framework | rewards |",
+        "|---|---|---|---|",
+    ]
     for r in results:
         for fw in ("trl", "ours"):
             rw = r["pairs"][0][fw]["reward"]

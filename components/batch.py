@@ -33,28 +33,34 @@ class Batch:
             return len(v)
         return 0
 
-    def select(self, index: list[int] | torch.Tensor) -> "Batch":
+    def select(self, index: list[int] | torch.Tensor) -> Batch:
         idx = torch.as_tensor(index, dtype=torch.long)
         rows = idx.tolist()
-        return Batch({k: v[idx] for k, v in self.tensors.items()},
-                     {k: [v[i] for i in rows] for k, v in self.non_tensors.items()}, dict(self.meta))
+        return Batch(
+            {k: v[idx] for k, v in self.tensors.items()},
+            {k: [v[i] for i in rows] for k, v in self.non_tensors.items()},
+            dict(self.meta),
+        )
 
-    def chunk(self, n: int) -> list["Batch"]:
+    def chunk(self, n: int) -> list[Batch]:
         """n nearly equal consecutive parts."""
         bounds = torch.linspace(0, len(self), n + 1).round().long().tolist()
         return [self.select(list(range(a, b))) for a, b in zip(bounds, bounds[1:])]
 
-    def repeat_interleave(self, n: int) -> "Batch":
+    def repeat_interleave(self, n: int) -> Batch:
         return self.select(torch.arange(len(self)).repeat_interleave(n))
 
-    def union(self, **tensors: torch.Tensor) -> "Batch":
+    def union(self, **tensors: torch.Tensor) -> Batch:
         return Batch({**self.tensors, **tensors}, dict(self.non_tensors), dict(self.meta))
 
     @staticmethod
-    def concat(parts: list["Batch"]) -> "Batch":
+    def concat(parts: list[Batch]) -> Batch:
         first = parts[0]
-        return Batch({k: torch.cat([p.tensors[k] for p in parts]) for k in first.tensors},
-                     {k: [x for p in parts for x in p.non_tensors[k]] for k in first.non_tensors}, dict(first.meta))
+        return Batch(
+            {k: torch.cat([p.tensors[k] for p in parts]) for k in first.tensors},
+            {k: [x for p in parts for x in p.non_tensors[k]] for k in first.non_tensors},
+            dict(first.meta),
+        )
 
     def to_bytes(self) -> bytes:
         head = json.dumps({"non_tensors": self.non_tensors, "meta": self.meta}).encode()
@@ -62,8 +68,8 @@ class Batch:
         return struct.pack("<Q", len(head)) + head + body
 
     @staticmethod
-    def from_bytes(data: bytes) -> "Batch":
+    def from_bytes(data: bytes) -> Batch:
         (n,) = struct.unpack("<Q", data[:8])
-        head = json.loads(data[8:8 + n])
-        body = data[8 + n:]
+        head = json.loads(data[8 : 8 + n])
+        body = data[8 + n :]
         return Batch(dict(st_load(body)) if body else {}, head["non_tensors"], head["meta"])

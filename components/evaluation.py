@@ -8,7 +8,7 @@ process (`reinforge evaluate`): only where generation and scoring run differs.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 from components.batch import Batch
 from components.rollout.base import SamplingParams
@@ -19,11 +19,13 @@ Decode = Callable[[Batch], list[str]]
 Score = Callable[[list[str], list[str], list[str], list[dict]], tuple]
 
 
-def accuracy_metrics(scores: list[float], sources: list[str], k: int, prefix: str = "val") -> dict[str, float]:
+def accuracy_metrics(
+    scores: list[float], sources: list[str], k: int, prefix: str = "val"
+) -> dict[str, float]:
     """scores: row-major (prompt, sample) with k samples per prompt. acc = mean score; pass@k = any correct."""
     by_source: dict[str, list[list[float]]] = defaultdict(list)
     for i in range(0, len(scores), k):
-        by_source[sources[i]].append(scores[i:i + k])
+        by_source[sources[i]].append(scores[i : i + k])
     out = {}
     for source, groups in by_source.items():
         name = source.replace("/", "_")
@@ -32,17 +34,28 @@ def accuracy_metrics(scores: list[float], sources: list[str], k: int, prefix: st
     return out
 
 
-def evaluate(generate: Generate, decode: Decode, score: Score, rows: list[dict], k: int, max_new_tokens: int,
-             seed: int, temperature: float = 1.0, batch_size: int = 256) -> dict[str, float]:
+def evaluate(
+    generate: Generate,
+    decode: Decode,
+    score: Score,
+    rows: list[dict],
+    k: int,
+    max_new_tokens: int,
+    seed: int,
+    temperature: float = 1.0,
+    batch_size: int = 256,
+) -> dict[str, float]:
     """Greedy accuracy (`val/<source>/acc`, `val/acc`) and sampled mean@k / pass@k on `rows`."""
     results: dict[str, float] = {}
-    for mode, params in (("greedy", SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)),
-                         ("sampled", SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens))):
+    for mode, params in (
+        ("greedy", SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)),
+        ("sampled", SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens)),
+    ):
         scores: list[float] = []
         sources: list[str] = []
         calls: list[float] = []
         for start in range(0, len(rows), batch_size):
-            batch = generate(rows[start:start + batch_size], params, seed + start)
+            batch = generate(rows[start : start + batch_size], params, seed + start)
             nt = batch.non_tensors
             s, _, _ = score(decode(batch), nt["ground_truth"], nt["data_source"], nt["extra_info"])
             scores += s

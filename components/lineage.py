@@ -77,7 +77,9 @@ def verify_tracked(paths: list[str | Path], lock: str | Path = "dvc.lock") -> di
         digest = file_md5(path)
         recorded = locked.get(str(Path(path)))
         if recorded is not None and recorded != digest:
-            raise DataError(f"{path} was changed outside DVC (md5 {digest}, dvc.lock records {recorded}). "
-                            "Run `dvc repro` to rebuild it, or `dvc commit` if the edit is intended.")
+            raise DataError(
+                f"{path} was changed outside DVC (md5 {digest}, dvc.lock records {recorded}). "
+                "Run `dvc repro` to rebuild it, or `dvc commit` if the edit is intended."
+            )
         hashes[str(path)] = digest
     return hashes

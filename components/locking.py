@@ -25,8 +25,10 @@ def exclusive(path: str | Path, what: str):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            raise AlreadyRunning(f"{what} is already running (pid {holder}, lock {p}); this run exits without "
-                                 "training. Wait for it to finish.") from None
+            raise AlreadyRunning(
+                f"{what} is already running (pid {holder}, lock {p}); this run exits without "
+                "training. Wait for it to finish."
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield

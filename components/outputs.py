@@ -48,17 +48,22 @@ def check_output(path: str | Path, key: str, kind: str, run_dir: str | Path | No
     for protected in _protected(run_dir):
         if resolved == protected or resolved in protected.parents:
             what = "is" if resolved == protected else "holds"
-            raise OutputError(f"{key}={path}: that {what} the directory {protected} (the project or the run "
-                              "directory); writing an output there would replace it. Give a subdirectory of its "
-                              f"own, e.g. {key}={Path(path) / 'out'}.")
+            raise OutputError(
+                f"{key}={path}: that {what} the directory {protected} (the project or the run "
+                "directory); writing an output there would replace it. Give a subdirectory of its "
+                f"own, e.g. {key}={Path(path) / 'out'}."
+            )
     if p.is_symlink() or (p.exists() and not p.is_dir()):
-        raise OutputError(f"{key}={path}: it is a file or a link, not a directory reinforge made; give a path of "
-                          "its own.")
+        raise OutputError(
+            f"{key}={path}: it is a file or a link, not a directory reinforge made; give a path of its own."
+        )
     if p.is_dir() and any(p.iterdir()) and marker_kind(p) != kind:
         found = marker_kind(p)
         what = f"a {found} output" if found else "files reinforge did not write"
-        raise OutputError(f"{key}={path}: the directory holds {what}, so it is not replaced or written into. "
-                          "Give an empty or new directory, or move those files away.")
+        raise OutputError(
+            f"{key}={path}: the directory holds {what}, so it is not replaced or written into. "
+            "Give an empty or new directory, or move those files away."
+        )
     return p
 
 

@@ -7,11 +7,17 @@ own slice (PolicySettings, RolloutSettings, ReferenceSettings) and nothing downs
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from components.algorithms.presets import ResolvedAlgorithm, resolve
-from components.config.schema import Config, CriticConfig, MemoryOptimConfig, MixedPrecisionConfig, ModelConfig, \
-    OptimizerConfig
+from components.config.schema import (
+    Config,
+    CriticConfig,
+    MemoryOptimConfig,
+    MixedPrecisionConfig,
+    ModelConfig,
+    OptimizerConfig,
+)
 from components.data.prompts import PromptSettings
 from components.rollout.base import SamplingParams
 from components.rollout.completions import EngineOptions
@@ -45,7 +51,7 @@ class PolicySettings:
     model: ModelConfig
     optimizer: OptimizerConfig
     algorithm: ResolvedAlgorithm
-    update: "object"  # components.training.actor.UpdateSettings (imported lazily: torch)
+    update: object  # components.training.actor.UpdateSettings (imported lazily: torch)
     mixed_precision: MixedPrecisionConfig
     memory: MemoryOptimConfig
     parallel: ParallelPlan
@@ -111,7 +117,8 @@ class Placement:
     def colocated(self, n: int, engine_type: str) -> bool:
         """The rollout engine in policy worker 0: asked for, or auto with one worker and one hf engine."""
         return self.rollout_placement == "colocate" or (
-            self.rollout_placement == "auto" and n == 1 and engine_type == "hf" and self.num_engines == 1)
+            self.rollout_placement == "auto" and n == 1 and engine_type == "hf" and self.num_engines == 1
+        )
 
 
 @dataclass(frozen=True)
@@ -142,41 +149,89 @@ def make_plan(cfg: Config) -> RunPlan:
 
     algo = resolve_algorithm(cfg)
     a, e, t, m = cfg.algorithm, cfg.engine, cfg.trainer, cfg.actor.model
-    rollout = RolloutSettings(m.path, e.type, EngineOptions.from_config(cfg), t.num_threads,
-                              MultiTurnSettings.from_config(cfg), PromptSettings.from_config(cfg))
+    rollout = RolloutSettings(
+        m.path,
+        e.type,
+        EngineOptions.from_config(cfg),
+        t.num_threads,
+        MultiTurnSettings.from_config(cfg),
+        PromptSettings.from_config(cfg),
+    )
     placement = Placement(
-        num_workers=t.num_workers, min_workers=t.min_workers, worker_resources=dict(t.worker_resources),
-        rollout_placement=t.rollout_placement, separate_reference=algo.needs_reference and t.ref_placement == "separate",
-        num_engines=e.num_engines, engine_gpus=e.num_gpus if e.num_gpus is not None else
-        (0 if e.type == "hf" else e.tensor_parallel_size), health_check=e.health_check,
-        health_check_timeout_s=e.health_check_timeout_s, stage_timeout_s=float(t.stage_timeout_s),
-        reward_model=cfg.reward_model.path, reward_model_dtype=cfg.reward_model.dtype,
-        reward_model_batch_size=cfg.reward_model.batch_size)
+        num_workers=t.num_workers,
+        min_workers=t.min_workers,
+        worker_resources=dict(t.worker_resources),
+        rollout_placement=t.rollout_placement,
+        separate_reference=algo.needs_reference and t.ref_placement == "separate",
+        num_engines=e.num_engines,
+        engine_gpus=e.num_gpus
+        if e.num_gpus is not None
+        else (0 if e.type == "hf" else e.tensor_parallel_size),
+        health_check=e.health_check,
+        health_check_timeout_s=e.health_check_timeout_s,
+        stage_timeout_s=float(t.stage_timeout_s),
+        reward_model=cfg.reward_model.path,
+        reward_model_dtype=cfg.reward_model.dtype,
+        reward_model_batch_size=cfg.reward_model.batch_size,
+    )
     policy = PolicySettings(
-        model=m, optimizer=cfg.actor.optimizer, algorithm=algo, update=update_settings(cfg, algo),
-        mixed_precision=cfg.mixed_precision, memory=cfg.memory_optim,
-        parallel=ParallelPlan(t.strategy, t.data_parallel_size, t.zero_stage, t.grad_compression,
-                              t.compression_fp16_below_gbps, t.compression_powersgd_below_gbps,
-                              t.simulated_bandwidth_gbps),
+        model=m,
+        optimizer=cfg.actor.optimizer,
+        algorithm=algo,
+        update=update_settings(cfg, algo),
+        mixed_precision=cfg.mixed_precision,
+        memory=cfg.memory_optim,
+        parallel=ParallelPlan(
+            t.strategy,
+            t.data_parallel_size,
+            t.zero_stage,
+            t.grad_compression,
+            t.compression_fp16_below_gbps,
+            t.compression_powersgd_below_gbps,
+            t.simulated_bandwidth_gbps,
+        ),
         critic=cfg.critic if algo.needs_critic else None,
-        reference=algo.needs_reference and t.ref_placement == "colocate", need_old=a.use_kl_in_reward, seed=t.seed,
-        num_threads=t.num_threads, rollout=rollout)
-    reference = ReferenceSettings(m, e.temperature or 1.0, cfg.actor.ppo_micro_batch_size, t.num_threads) \
-        if placement.separate_reference else None
+        reference=algo.needs_reference and t.ref_placement == "colocate",
+        need_old=a.use_kl_in_reward,
+        seed=t.seed,
+        num_threads=t.num_threads,
+        rollout=rollout,
+    )
+    reference = (
+        ReferenceSettings(m, e.temperature or 1.0, cfg.actor.ppo_micro_batch_size, t.num_threads)
+        if placement.separate_reference
+        else None
+    )
     max_len = e.max_new_tokens
     return RunPlan(
         algorithm=algo,
-        sampling=SamplingParams(n=e.n, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
-                                max_new_tokens=e.max_new_tokens),
-        policy=policy, rollout=rollout, reference=reference, placement=placement,
-        rewards=RewardSettings((max_len, round(algo.overlong_buffer_frac * max_len), a.overlong_penalty_factor),
-                               cfg.reward_model.rule_weight, cfg.reward_model.model_weight,
-                               cfg.reward.max_invalid_frac, a.kl_penalty, cfg.sandbox.concurrency),
+        sampling=SamplingParams(
+            n=e.n, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, max_new_tokens=e.max_new_tokens
+        ),
+        policy=policy,
+        rollout=rollout,
+        reference=reference,
+        placement=placement,
+        rewards=RewardSettings(
+            (max_len, round(algo.overlong_buffer_frac * max_len), a.overlong_penalty_factor),
+            cfg.reward_model.rule_weight,
+            cfg.reward_model.model_weight,
+            cfg.reward.max_invalid_frac,
+            a.kl_penalty,
+            cfg.sandbox.concurrency,
+        ),
         evaluation=EvalSettings(t.eval_k, t.eval_size, e.max_new_tokens, t.seed, e.temperature or 1.0),
-        seed=t.seed, batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle, iterations=t.iterations,
-        test_interval=t.test_interval, save_interval=t.save_interval, max_gen_rounds=a.max_num_gen_batches,
+        seed=t.seed,
+        batch_size=cfg.data.batch_size,
+        shuffle=cfg.data.shuffle,
+        iterations=t.iterations,
+        test_interval=t.test_interval,
+        save_interval=t.save_interval,
+        max_gen_rounds=a.max_num_gen_batches,
         kl_in_reward=(a.kl_coef, a.kl_ctrl, a.kl_target, a.kl_horizon) if a.use_kl_in_reward else None,
-        max_worker_rebuilds=t.max_worker_rebuilds, params=run_params(cfg, algo))
+        max_worker_rebuilds=t.max_worker_rebuilds,
+        params=run_params(cfg, algo),
+    )
 
 
 def run_params(cfg: Config, algo: ResolvedAlgorithm) -> dict:

@@ -16,9 +16,15 @@ def progress_bar(description: str, total: int, enabled: bool = True):
     if not enabled:
         yield lambda **_: None
         return
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=console,
-                  transient=False) as bar:
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=console,
+        transient=False,
+    ) as bar:
         tid = bar.add_task(description, total=total, info="")
 
         def advance(info: str = "", **_):

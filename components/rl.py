@@ -5,7 +5,8 @@ Workers and orchestration call these; none of them touches Ray, Prefect or MLflo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,15 +23,19 @@ if TYPE_CHECKING:
     from components.plan import RewardSettings
 
 
-def rollout_batch(rows: list[dict], prompt_ids: list[list[int]], out: RolloutOutput, n: int, pad_id: int,
-                  iteration: int) -> Batch:
+def rollout_batch(
+    rows: list[dict], prompt_ids: list[list[int]], out: RolloutOutput, n: int, pad_id: int, iteration: int
+) -> Batch:
     """Rows x n completions as one Batch. group_ids (N,) tie completions of one prompt together."""
     prompts, prompt_mask = left_pad(prompt_ids, pad_id)
     reps = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
     return Batch(
         tensors={
-            "prompts": prompts.repeat_interleave(n, 0), "prompt_mask": prompt_mask.repeat_interleave(n, 0),
-            "responses": out.responses, "response_mask": out.response_mask, "rollout_logprobs": out.logprobs,
+            "prompts": prompts.repeat_interleave(n, 0),
+            "prompt_mask": prompt_mask.repeat_interleave(n, 0),
+            "responses": out.responses,
+            "response_mask": out.response_mask,
+            "rollout_logprobs": out.logprobs,
             "group_ids": torch.arange(len(rows)).repeat_interleave(n),
         },
         non_tensors={
@@ -43,8 +48,13 @@ def rollout_batch(rows: list[dict], prompt_ids: list[list[int]], out: RolloutOut
     )
 
 
-def decode_responses(tokenizer, batch: Batch, key: str = "responses", mask_key: str = "response_mask",
-                     skip_special_tokens: bool = True) -> list[str]:
+def decode_responses(
+    tokenizer,
+    batch: Batch,
+    key: str = "responses",
+    mask_key: str = "response_mask",
+    skip_special_tokens: bool = True,
+) -> list[str]:
     t = batch.tensors
     ids = [row[m.bool()].tolist() for row, m in zip(t[key], t[mask_key])]
     return tokenizer.batch_decode(ids, skip_special_tokens=skip_special_tokens)
@@ -60,9 +70,14 @@ def _stats(name: str, x: torch.Tensor) -> dict[str, float]:
 Score = Callable[[list[str], list[str], list[str], list[dict]], tuple[list[float], list[bool], dict]]
 
 
-def add_rewards(batch: Batch, texts: list[str], settings: "RewardSettings", score: Score,
-                baseline_texts: list[str] | None = None,
-                model_scores: list[float] | None = None) -> tuple[Batch, dict[str, float]]:
+def add_rewards(
+    batch: Batch,
+    texts: list[str],
+    settings: RewardSettings,
+    score: Score,
+    baseline_texts: list[str] | None = None,
+    model_scores: list[float] | None = None,
+) -> tuple[Batch, dict[str, float]]:
     """Score each response; the sequence reward sits on its last response token (token_rewards (N, R)).
 
     `score(texts, truths, sources, extras)` -> (scores, valid, sub-scores): the training flow's scores in the
@@ -88,41 +103,58 @@ def add_rewards(batch: Batch, texts: list[str], settings: "RewardSettings", scor
     limit = settings.max_invalid_frac
     if invalid > limit * len(valid):
         sources = sorted({src for src, ok in zip(nt["data_source"], valid) if not ok})
-        raise RewardError(f"iteration {batch.meta.get('iteration')}: {invalid} of {len(valid)} rewards are invalid (None, NaN or inf; data_source "
-                          f"{', '.join(map(repr, sources))}), more than reward.max_invalid_frac={limit}: training on "
-                          "them would learn nothing. Fix the reward function (custom_reward_function or the "
-                          "data_source's scorer), or raise reward.max_invalid_frac.")
-    metrics.update({**_stats("critic/score", s), "reward/invalid_count": float(invalid),
-               **_stats("response_length", lengths.float()),
-               "prompt_length/mean": float(batch.tensors["prompt_mask"].sum(-1).float().mean())})
+        raise RewardError(
+            f"iteration {batch.meta.get('iteration')}: {invalid} of {len(valid)} rewards are invalid "
+            f"(None, NaN or inf; data_source "
+            f"{', '.join(map(repr, sources))}), more than reward.max_invalid_frac={limit}: training on "
+            "them would learn nothing. Fix the reward function (custom_reward_function or the "
+            "data_source's scorer), or raise reward.max_invalid_frac."
+        )
+    metrics.update(
+        {
+            **_stats("critic/score", s),
+            "reward/invalid_count": float(invalid),
+            **_stats("response_length", lengths.float()),
+            "prompt_length/mean": float(batch.tensors["prompt_mask"].sum(-1).float().mean()),
+        }
+    )
     t = batch.tensors
     if "engine_restarts" in batch.meta:  # engines restarted during this rollout (health checks, deaths)
         metrics["rollout/engine_restarts"] = float(batch.meta["engine_restarts"])
     if "num_turns" in t:  # multi-turn rollouts
-        metrics.update({"num_turns/mean": float(t["num_turns"].mean()), "num_turns/max": float(t["num_turns"].max()),
-                        "tool_call_counts/mean": float(t["tool_calls"].mean()),
-                        "tool_call_rate": float((t["tool_calls"] > 0).float().mean()),
-                        "tool_errors/mean": float(t["tool_errors"].mean())})
+        metrics.update(
+            {
+                "num_turns/mean": float(t["num_turns"].mean()),
+                "num_turns/max": float(t["num_turns"].max()),
+                "tool_call_counts/mean": float(t["tool_calls"].mean()),
+                "tool_call_rate": float((t["tool_calls"] > 0).float().mean()),
+                "tool_errors/mean": float(t["tool_errors"].mean()),
+            }
+        )
     extra: dict[str, torch.Tensor] = {}
     if settings.overlong[1] > 0:
         penalty = overlong_penalty(lengths, *settings.overlong)
         rewards = s + penalty
         metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
     if baseline_texts is not None:
-        per_prompt, _, _ = score(baseline_texts[::n], nt["ground_truth"][::n], nt["data_source"][::n],
-                                 nt["extra_info"][::n])
+        per_prompt, _, _ = score(
+            baseline_texts[::n], nt["ground_truth"][::n], nt["data_source"][::n], nt["extra_info"][::n]
+        )
         base = torch.tensor(per_prompt, dtype=torch.float32).repeat_interleave(n)
         extra["baseline_values"] = base[:, None] * mask
         metrics["reward/greedy_baseline_mean"] = float(base.mean())
     token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
-    last = (torch.arange(1, mask.shape[1] + 1) * mask).argmax(-1)  # the last model token (tool turns may follow)
+    last = (torch.arange(1, mask.shape[1] + 1) * mask).argmax(
+        -1
+    )  # the last model token (tool turns may follow)
     token_rewards[torch.arange(len(scores)), last] = rewards
     metrics.update(_stats("critic/rewards", rewards))
     return batch.union(token_rewards=token_rewards, scores=s, valid=torch.tensor(valid), **extra), metrics
 
 
-def add_advantages(batch: Batch, algo: "ResolvedAlgorithm", kl_coef: float | None = None,
-                   kl_kind: str = "k1") -> tuple[Batch, dict[str, float]]:
+def add_advantages(
+    batch: Batch, algo: ResolvedAlgorithm, kl_coef: float | None = None, kl_kind: str = "k1"
+) -> tuple[Batch, dict[str, float]]:
     """Advantages and returns by the resolved algorithm's estimator.
 
     kl_coef (use_kl_in_reward) subtracts kl_coef x KL(old, ref) from the token rewards first; the measured
@@ -137,7 +169,9 @@ def add_advantages(batch: Batch, algo: "ResolvedAlgorithm", kl_coef: float | Non
     group_ids = torch.where(valid, t["group_ids"], alone)
     token_rewards, metrics = t["token_rewards"], {}
     if kl_coef is not None:
-        token_rewards, kl = kl_in_reward(token_rewards, t["old_logprobs"], t["ref_logprobs"], mask, kl_coef, kl_kind)
+        token_rewards, kl = kl_in_reward(
+            token_rewards, t["old_logprobs"], t["ref_logprobs"], mask, kl_coef, kl_kind
+        )
         metrics.update({"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": kl_coef})
     values = t["values"] if "values" in t else t.get("baseline_values")
     params = AdvantageParams(norm_adv_by_std=algo.norm_adv_by_std, gamma=algo.gamma, lam=algo.lam)
@@ -145,8 +179,12 @@ def add_advantages(batch: Batch, algo: "ResolvedAlgorithm", kl_coef: float | Non
     on = mask.bool()
     metrics.update({**_stats("critic/advantages", adv[on]), **_stats("critic/returns", returns[on])})
     if "values" in t:
-        metrics.update({**_stats("critic/values", t["values"][on]),
-                        "critic/vf_explained_var": explained_variance(t["values"], returns, mask)})
+        metrics.update(
+            {
+                **_stats("critic/values", t["values"][on]),
+                "critic/vf_explained_var": explained_variance(t["values"], returns, mask),
+            }
+        )
     return batch.union(advantages=adv, returns=returns, response_mask=mask.long()), metrics
 
 
@@ -170,7 +208,9 @@ def concat_rounds(parts: list[Batch]) -> Batch:
     2-D tensors padded to a common width (prompt tensors on the left, response tensors on the right; the
     masks are 0 on the padding, so no loss or reward sees it)."""
     parts = [p for p in parts if len(p)] or parts[:1]
-    widths = {k: max(p.tensors[k].shape[1] for p in parts) for k, v in parts[0].tensors.items() if v.dim() == 2}
+    widths = {
+        k: max(p.tensors[k].shape[1] for p in parts) for k, v in parts[0].tensors.items() if v.dim() == 2
+    }
     out, offset = [], 0
     for p in parts:
         ids = p.tensors["group_ids"]

@@ -41,12 +41,16 @@ def ray_problem(address: str, timeout_s: float) -> str | None:
         return None
     parsed = urlparse(address if "://" in address else f"gcs://{address}")
     if not parsed.hostname or not parsed.port:
-        return (f"RAY_ADDRESS={address}: not an address (host:port, ray://host:port). Fix it, or unset RAY_ADDRESS "
-                "to start Ray locally.")
+        return (
+            f"RAY_ADDRESS={address}: not an address (host:port, ray://host:port). Fix it, or unset RAY_ADDRESS "
+            "to start Ray locally."
+        )
     why = _tcp(parsed.hostname, parsed.port, timeout_s)
     if why:
-        return (f"RAY_ADDRESS={address}: no Ray cluster answers there ({why}, within {timeout_s:g} s). Start it "
-                "(`ray start --head`), fix the address, or unset RAY_ADDRESS to start Ray locally.")
+        return (
+            f"RAY_ADDRESS={address}: no Ray cluster answers there ({why}, within {timeout_s:g} s). Start it "
+            "(`ray start --head`), fix the address, or unset RAY_ADDRESS to start Ray locally."
+        )
     return None
 
 
@@ -55,22 +59,30 @@ def mlflow_problem(uri: str, timeout_s: float) -> str | None:
         return None  # a file or database: MLflow opens it itself
     why = _http(uri.rstrip("/") + "/health", timeout_s)
     if why:
-        return (f"MLFLOW_TRACKING_URI={uri}: no MLflow server answers there ({why}, within {timeout_s:g} s). Start "
-                "it (`mlflow server`), fix the URI, or unset MLFLOW_TRACKING_URI to log to mlruns.db here.")
+        return (
+            f"MLFLOW_TRACKING_URI={uri}: no MLflow server answers there ({why}, within {timeout_s:g} s). Start "
+            "it (`mlflow server`), fix the URI, or unset MLFLOW_TRACKING_URI to log to mlruns.db here."
+        )
     return None
 
 
 def prefect_problem(url: str, timeout_s: float) -> str | None:
     why = _http(url.rstrip("/") + "/health", timeout_s)
     if why:
-        return (f"PREFECT_API_URL={url}: no Prefect server answers there ({why}, within {timeout_s:g} s). Start it "
-                "(`prefect server start`), fix the URL, or unset PREFECT_API_URL to use Prefect's in-process server.")
+        return (
+            f"PREFECT_API_URL={url}: no Prefect server answers there ({why}, within {timeout_s:g} s). Start it "
+            "(`prefect server start`), fix the URL, or unset PREFECT_API_URL to use Prefect's in-process server."
+        )
     return None
 
 
 def check_services(timeout_s: float = 15.0) -> None:
     """ServiceError (one line each) for every configured service that does not answer within timeout_s."""
-    checks = [(ray_problem, "RAY_ADDRESS"), (mlflow_problem, "MLFLOW_TRACKING_URI"), (prefect_problem, "PREFECT_API_URL")]
+    checks = [
+        (ray_problem, "RAY_ADDRESS"),
+        (mlflow_problem, "MLFLOW_TRACKING_URI"),
+        (prefect_problem, "PREFECT_API_URL"),
+    ]
     problems = [check(os.environ[name], timeout_s) for check, name in checks if os.environ.get(name)]
     problems = [p for p in problems if p]
     if problems:

@@ -14,8 +14,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Callable
 
 STEP_TIMEOUT_S = 4.0  # each cleanup step; the whole stop stays within about 15 s
 _steps: list[tuple[str, Callable[[], None]]] = []
@@ -115,6 +115,5 @@ def install_signal_handlers() -> None:
 def reclaim_signals() -> None:
     """Put our handlers back after a library replaced them (ray.init sets a SIGTERM handler that calls
     sys.exit, which Prefect then reports as a crash after minutes of retries), when they were installed."""
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGINT) is _handler:
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is _handler:
         signal.signal(signal.SIGTERM, _handler)

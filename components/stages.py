@@ -27,30 +27,98 @@ class StageKeys:
 PROMPT_KEYS = ("data.apply_chat_template", "data.allow_unk", "data.max_prompt_len")
 
 STAGES: dict[str, StageKeys] = {
-    "prepare": StageKeys(("data.num_train", "data.num_eval", "data.max_operand", "data.operations", "data.gsm8k_path",
-                          "data.gsm8k_test_path", "data.task", "data.tool_sft_fraction", "trainer.seed")),
+    "prepare": StageKeys(
+        (
+            "data.num_train",
+            "data.num_eval",
+            "data.max_operand",
+            "data.operations",
+            "data.gsm8k_path",
+            "data.gsm8k_test_path",
+            "data.task",
+            "data.tool_sft_fraction",
+            "trainer.seed",
+        )
+    ),
     # the tokenizer prompts are checked with: sft.base_model's, the policy's when it is not SFT's output, or the
     # tiny one (with tool tokens for data.task=arith_tool or multi-turn runs)
-    "clean": StageKeys((*PROMPT_KEYS, "data.task", "sft.base_model", "sft.output_dir", "actor.model.path",
-                        "multi_turn.enable")),
-    "sft": StageKeys(("sft", "actor.model.max_seq_len", *PROMPT_KEYS, "data.task", "multi_turn.enable",
-                      "trainer.seed")),
+    "clean": StageKeys(
+        (
+            *PROMPT_KEYS,
+            "data.task",
+            "sft.base_model",
+            "sft.output_dir",
+            "actor.model.path",
+            "multi_turn.enable",
+        )
+    ),
+    "sft": StageKeys(
+        ("sft", "actor.model.max_seq_len", *PROMPT_KEYS, "data.task", "multi_turn.enable", "trainer.seed")
+    ),
     "train": StageKeys(
-        ("algorithm", "actor", "critic", "engine", "reward_model", "reward", "custom_reward_function", "sandbox",
-         "multi_turn", "data.batch_size", "data.shuffle", *PROMPT_KEYS, "trainer", "memory_optim",
-         "mixed_precision"),
+        (
+            "algorithm",
+            "actor",
+            "critic",
+            "engine",
+            "reward_model",
+            "reward",
+            "custom_reward_function",
+            "sandbox",
+            "multi_turn",
+            "data.batch_size",
+            "data.shuffle",
+            *PROMPT_KEYS,
+            "trainer",
+            "memory_optim",
+            "mixed_precision",
+        ),
         neutral=(
-            "trainer.iterations", "trainer.resume_mode", "trainer.resume_accept_mismatch", "trainer.when_finished",
-            "trainer.progress", "trainer.save_interval", "trainer.test_interval", "trainer.eval_k",
-            "trainer.eval_size", "trainer.experiment_name", "trainer.max_checkpoints_to_keep", "trainer.num_threads",
-            "trainer.save_optimizer", "trainer.stage_timeout_s", "trainer.connect_timeout_s",
-            "trainer.max_worker_rebuilds", "trainer.output_dir", "trainer.run_dir",
+            "trainer.iterations",
+            "trainer.resume_mode",
+            "trainer.resume_accept_mismatch",
+            "trainer.when_finished",
+            "trainer.progress",
+            "trainer.save_interval",
+            "trainer.test_interval",
+            "trainer.eval_k",
+            "trainer.eval_size",
+            "trainer.experiment_name",
+            "trainer.max_checkpoints_to_keep",
+            "trainer.num_threads",
+            "trainer.save_optimizer",
+            "trainer.stage_timeout_s",
+            "trainer.connect_timeout_s",
+            "trainer.max_worker_rebuilds",
+            "trainer.output_dir",
+            "trainer.run_dir",
             # how the update is spread over workers: the same step (within rounding) and a checkpoint format that
             # does not depend on it, so a group rebuilt smaller resumes the run
-            "trainer.num_workers", "trainer.strategy", "trainer.data_parallel_size", "trainer.zero_stage",
-            "trainer.worker_resources", "trainer.min_workers", "trainer.grad_compression",
-            "trainer.compression_fp16_below_gbps", "trainer.compression_powersgd_below_gbps",
-            "trainer.simulated_bandwidth_gbps")),
-    "evaluate": StageKeys(("engine", "actor.model", "reward_model", "reward", "custom_reward_function", "sandbox",
-                           "multi_turn", *PROMPT_KEYS, "trainer.seed", "trainer.eval_k", "trainer.eval_size")),
+            "trainer.num_workers",
+            "trainer.strategy",
+            "trainer.data_parallel_size",
+            "trainer.zero_stage",
+            "trainer.worker_resources",
+            "trainer.min_workers",
+            "trainer.grad_compression",
+            "trainer.compression_fp16_below_gbps",
+            "trainer.compression_powersgd_below_gbps",
+            "trainer.simulated_bandwidth_gbps",
+        ),
+    ),
+    "evaluate": StageKeys(
+        (
+            "engine",
+            "actor.model",
+            "reward_model",
+            "reward",
+            "custom_reward_function",
+            "sandbox",
+            "multi_turn",
+            *PROMPT_KEYS,
+            "trainer.seed",
+            "trainer.eval_k",
+            "trainer.eval_size",
+        )
+    ),
 }

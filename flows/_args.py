@@ -44,7 +44,9 @@ def yield_prefect_server(niceness: int | None = None) -> int | None:
 def config_parser(description: str, prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config file (default: %(default)s)")
-    p.add_argument("--debug", action="store_true", help="show the traceback of an error, not only its message")
+    p.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error, not only its message"
+    )
     p.add_argument("overrides", nargs="*", help="config overrides as key=value, e.g. algorithm.beta=0.1")
     return p
 

@@ -23,7 +23,9 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        p = argparse.ArgumentParser(prog="reinforge", description="RL post-training for LLMs as a Prefect/DVC DAG.")
+        p = argparse.ArgumentParser(
+            prog="reinforge", description="RL post-training for LLMs as a Prefect/DVC DAG."
+        )
         sub = p.add_subparsers(dest="command", metavar="COMMAND")
         for name, (_, help_, _) in COMMANDS.items():
             sub.add_parser(name, help=help_, add_help=False)

@@ -13,8 +13,11 @@ from tasks.data import clean_data, prepare_data
 
 
 @flow(name="rl-data")
-def data_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | None = None,
-              steps: tuple[str, ...] = ("prepare", "clean")) -> dict:
+def data_flow(
+    config: str = "configs/arith_grpo.yaml",
+    overrides: list[str] | None = None,
+    steps: tuple[str, ...] = ("prepare", "clean"),
+) -> dict:
     cfg = load_config(config, overrides or [])
     out: dict = {}
     if "prepare" in steps:
@@ -29,8 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", choices=["prepare", "clean", "all"], default="all")
     a = p.parse_args(argv)
     steps = ("prepare", "clean") if a.step == "all" else (a.step,)
-    return check_config(a.config, a.overrides, a.debug) or run_cli(data_flow, a.config, a.overrides, steps,
-                                                                   debug=a.debug)
+    return check_config(a.config, a.overrides, a.debug) or run_cli(
+        data_flow, a.config, a.overrides, steps, debug=a.debug
+    )
 
 
 if __name__ == "__main__":

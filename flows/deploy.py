@@ -13,8 +13,13 @@ from components.errors import ConfigError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # pipelines.yaml `flow:` -> entrypoint
-FLOWS = {"train": "flows.train:train_flow", "nightly": "flows.nightly:nightly_flow",
-         "data": "flows.data:data_flow", "sft": "flows.sft:sft_flow", "evaluate": "flows.evaluate:evaluate_flow"}
+FLOWS = {
+    "train": "flows.train:train_flow",
+    "nightly": "flows.nightly:nightly_flow",
+    "data": "flows.data:data_flow",
+    "sft": "flows.sft:sft_flow",
+    "evaluate": "flows.evaluate:evaluate_flow",
+}
 
 
 class Schedule(BaseModel):
@@ -45,11 +50,14 @@ def load_pipelines(path: str | Path = PROJECT_ROOT / "pipelines.yaml") -> list[P
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: cannot read pipelines: {exc}") from None
     except ValidationError as exc:
-        raise ConfigError(f"{path}: " + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
-                                                  for e in exc.errors())) from None
+        raise ConfigError(
+            f"{path}: " + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        ) from None
     for p in pf.pipelines:
         if p.flow not in FLOWS:
-            raise ConfigError(f"{path}: pipeline {p.name}: flow={p.flow} is unknown; valid: {', '.join(FLOWS)}")
+            raise ConfigError(
+                f"{path}: pipeline {p.name}: flow={p.flow} is unknown; valid: {', '.join(FLOWS)}"
+            )
     return pf.pipelines
 
 
@@ -72,8 +80,16 @@ def to_deployments(pipelines: list[Pipeline]) -> list:
         kwargs = {}
         if p.schedule:
             kwargs["cron"] = p.schedule.cron
-        out.append(flow_of(p).to_deployment(name=p.name, version=p.version, description=p.description,
-                                            parameters=parameters_of(p), tags=[f"pipeline:{p.name}"], **kwargs))
+        out.append(
+            flow_of(p).to_deployment(
+                name=p.name,
+                version=p.version,
+                description=p.description,
+                parameters=parameters_of(p),
+                tags=[f"pipeline:{p.name}"],
+                **kwargs,
+            )
+        )
     return out
 
 
@@ -84,8 +100,15 @@ def deploy(pipelines: list[Pipeline], mode: str = "serve", work_pool: str | None
         for p in pipelines:
             entry = FLOWS[p.flow].replace(".", "/", 1).replace(":", ".py:", 1)
             src = flow_of(p).from_source(source=str(PROJECT_ROOT), entrypoint=entry)
-            src.deploy(name=p.name, work_pool_name=work_pool, version=p.version, parameters=parameters_of(p),
-                       cron=p.schedule.cron if p.schedule else None, build=False, push=False)
+            src.deploy(
+                name=p.name,
+                work_pool_name=work_pool,
+                version=p.version,
+                parameters=parameters_of(p),
+                cron=p.schedule.cron if p.schedule else None,
+                build=False,
+                push=False,
+            )
         return names
     deployments = to_deployments(pipelines)
     if mode == "apply":

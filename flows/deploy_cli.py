@@ -10,9 +10,12 @@ from flows.deploy import deploy, load_pipelines
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="reinforge deploy", description="Turn pipelines.yaml into Prefect deployments. "
-                                "Default: register them and serve them from this process (needs a Prefect server: "
-                                "`prefect server start`, then `prefect deployment run 'rl-train/arith-grpo'`).")
+    p = argparse.ArgumentParser(
+        prog="reinforge deploy",
+        description="Turn pipelines.yaml into Prefect deployments. "
+        "Default: register them and serve them from this process (needs a Prefect server: "
+        "`prefect server start`, then `prefect deployment run 'rl-train/arith-grpo'`).",
+    )
     p.add_argument("--file", default="pipelines.yaml", help="pipelines file")
     p.add_argument("--only", nargs="*", help="pipeline names to deploy (default: all)")
     p.add_argument("--apply", action="store_true", help="register the deployments and exit (no serving)")

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from prefect import flow
 
@@ -22,14 +21,19 @@ from tasks.tracking import finished_run_info
 
 
 @flow(name="rl-evaluate")
-def evaluate_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | None = None,
-                  output: str = "metrics/eval.json") -> dict:
+def evaluate_flow(
+    config: str = "configs/arith_grpo.yaml",
+    overrides: list[str] | None = None,
+    output: str = "metrics/eval.json",
+) -> dict:
     cfg = load_config(config, overrides or [])
     run = finished_run_info(cfg)  # this configuration's newest finished run in trainer.output_dir
     results: dict = {}
     with progress_bar("evaluate", 2, cfg.trainer.progress) as advance:
-        for name, path, key in (("sft", cfg.sft.output_dir, "sft.output_dir"),
-                                ("final", run["final_model"], "trainer.output_dir")):
+        for name, path, key in (
+            ("sft", cfg.sft.output_dir, "sft.output_dir"),
+            ("final", run["final_model"], "trainer.output_dir"),
+        ):
             results[name] = run_stage(evaluate_model, path, cfg.data.eval_path, cfg, key, "data.eval_path")
             advance(info=f"{name} acc {results[name]['acc']:.3f}")
     results.update(iterations=run.get("iterations"), train_wall_seconds=run.get("wall_seconds"))
@@ -39,9 +43,15 @@ def evaluate_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] 
 
 
 @flow(name="rl-evaluate-model")
-def evaluate_one_flow(model_path: str, eval_data: str, config: str = "configs/arith_grpo.yaml",
-                      overrides: list[str] | None = None) -> dict:
-    return run_stage(evaluate_model, str(runs.model_dir(model_path)), eval_data, load_config(config, overrides or []))
+def evaluate_one_flow(
+    model_path: str,
+    eval_data: str,
+    config: str = "configs/arith_grpo.yaml",
+    overrides: list[str] | None = None,
+) -> dict:
+    return run_stage(
+        evaluate_model, str(runs.model_dir(model_path)), eval_data, load_config(config, overrides or [])
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,16 +37,25 @@ def register(cfg: Config, name: str, info: dict, acc: float) -> dict:
     def measure(version: str) -> float:
         with tempfile.TemporaryDirectory(prefix="champion-") as tmp:
             path = download_version(name, version, tmp)
-            return evaluate_model.fn(str(path), cfg.data.eval_path, cfg, f"{name} v{version}", "data.eval_path")["acc"]
+            return evaluate_model.fn(
+                str(path), cfg.data.eval_path, cfg, f"{name} v{version}", "data.eval_path"
+            )["acc"]
 
     decision = register_candidate(name, info["model_id"], info["run_id"], acc, eval_set, measure)
-    logger().info("registry: %s v%s -> %s (%s)", name, decision["version"], decision["alias"], decision["reason"])
+    logger().info(
+        "registry: %s v%s -> %s (%s)", name, decision["version"], decision["alias"], decision["reason"]
+    )
     return decision
 
 
 @flow(name="rl-nightly")
-def nightly_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | None = None,
-                 model_name: str = "reinforge-arith", pipeline: str = "nightly", pipeline_version: str = "") -> dict:
+def nightly_flow(
+    config: str = "configs/arith_grpo.yaml",
+    overrides: list[str] | None = None,
+    model_name: str = "reinforge-arith",
+    pipeline: str = "nightly",
+    pipeline_version: str = "",
+) -> dict:
     overrides = [*(overrides or []), "trainer.when_finished=retrain"]
     cfg = load_config(config, overrides)
     with exclusive(Path(cfg.trainer.output_dir).parent / ".nightly.lock", f"pipeline {pipeline}"):
@@ -60,12 +69,14 @@ def nightly_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] |
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = config_parser("Nightly retraining: data, train, evaluate, register the model if it is better.",
-                      "reinforge nightly")
+    p = config_parser(
+        "Nightly retraining: data, train, evaluate, register the model if it is better.", "reinforge nightly"
+    )
     p.add_argument("--model-name", default="reinforge-arith", help="MLflow registered model name")
     a = p.parse_args(argv)
-    return check_config(a.config, a.overrides, a.debug) or run_cli(nightly_flow, a.config, a.overrides, a.model_name,
-                                                                   debug=a.debug)
+    return check_config(a.config, a.overrides, a.debug) or run_cli(
+        nightly_flow, a.config, a.overrides, a.model_name, debug=a.debug
+    )
 
 
 if __name__ == "__main__":

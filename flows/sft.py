@@ -18,9 +18,13 @@ def sft_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = config_parser("Supervised warm start: build the tiny model (or load sft.base_model) and fine-tune it.",
-                      "reinforge sft").parse_args(argv)
-    return check_config(a.config, a.overrides, a.debug) or run_cli(sft_flow, a.config, a.overrides, debug=a.debug)
+    a = config_parser(
+        "Supervised warm start: build the tiny model (or load sft.base_model) and fine-tune it.",
+        "reinforge sft",
+    ).parse_args(argv)
+    return check_config(a.config, a.overrides, a.debug) or run_cli(
+        sft_flow, a.config, a.overrides, debug=a.debug
+    )
 
 
 if __name__ == "__main__":

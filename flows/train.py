@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from prefect import flow
@@ -33,10 +33,28 @@ from components.training.ray_workers import Workers, rebuild_workers, stop_worke
 from flows._args import check_config, config_parser, run_cli, yield_prefect_server
 from tasks.common import is_transient, logger
 from tasks.data import load_datasets
-from tasks.rl import check_inputs, compute_advantages, evaluate_policy, generate_rollouts, keep_informative, \
-    prepare_batch, score_rewards, start_workers, sync_weights, update_critic, update_policy
-from tasks.tracking import checkpoint_metrics, finalize, plan_resume, restore_checkpoint, \
-    run_fingerprint, save_checkpoint, start_run
+from tasks.rl import (
+    check_inputs,
+    compute_advantages,
+    evaluate_policy,
+    generate_rollouts,
+    keep_informative,
+    prepare_batch,
+    score_rewards,
+    start_workers,
+    sync_weights,
+    update_critic,
+    update_policy,
+)
+from tasks.tracking import (
+    checkpoint_metrics,
+    finalize,
+    plan_resume,
+    restore_checkpoint,
+    run_fingerprint,
+    save_checkpoint,
+    start_run,
+)
 
 
 @dataclass
@@ -60,7 +78,9 @@ class Run:
     iteration: int = 1  # the next iteration to run
     checkpoint: str | None = None  # the last good checkpoint and its state.json
     state: dict = field(default_factory=dict)
-    scored: tuple | None = None  # (iteration, batch, reward metrics, sampler state) until the iteration is done
+    scored: tuple | None = (
+        None  # (iteration, batch, reward metrics, sampler state) until the iteration is done
+    )
     history: list[dict] = field(default_factory=list)
 
     def stop_workers(self) -> None:
@@ -102,7 +122,9 @@ def collect(run: Run, timer: Timer) -> tuple:
     while groups < plan.batch_size and len(rounds) < plan.max_gen_rounds:
         rounds.append(one_round(len(rounds))[0])
         kept, groups = keep_informative(rounds, plan.batch_size)
-    metrics.update({"dynamic_sampling/groups_kept": float(groups), "dynamic_sampling/gen_rounds": float(len(rounds))})
+    metrics.update(
+        {"dynamic_sampling/groups_kept": float(groups), "dynamic_sampling/gen_rounds": float(len(rounds))}
+    )
     return kept, metrics
 
 
@@ -125,16 +147,28 @@ def iteration(run: Run) -> dict[str, float]:
     m_actor, run.version = update_policy(workers, batch)  # its own timing_s/update_actor, _weights
     metrics = {**m_reward, **m_adv, **m_critic, **m_actor}
     if it % plan.test_interval == 0 or it == plan.iterations:
-        metrics.update(timer("testing", evaluate_policy, workers, run.eval_rows, plan, run.tokenizer, run.scorers))
+        metrics.update(
+            timer("testing", evaluate_policy, workers, run.eval_rows, plan, run.tokenizer, run.scorers)
+        )
     metrics["timing_s/step"] = time.perf_counter() - timer.start
     metrics.update(timer.seconds)
     # queued (MLflow stores them in the background; the checkpoint waits for them), before the checkpoint: a
     # crash between the two re-runs `it`
     run.tracker.log_metrics(metrics, it)
     if it % plan.save_interval == 0 or it == plan.iterations:  # `it`, whose metrics are not re-logged
-        run.checkpoint, run.state = save_checkpoint(workers, run.tracker, run.cfg, run.resume, it, {
-            "sampler": run.sampler.state_dict(), "weights_version": run.version, **run.fingerprint.state(),
-            **({"kl_ctrl": run.kl_ctrl.state_dict()} if run.kl_ctrl is not None else {})})
+        run.checkpoint, run.state = save_checkpoint(
+            workers,
+            run.tracker,
+            run.cfg,
+            run.resume,
+            it,
+            {
+                "sampler": run.sampler.state_dict(),
+                "weights_version": run.version,
+                **run.fingerprint.state(),
+                **({"kl_ctrl": run.kl_ctrl.state_dict()} if run.kl_ctrl is not None else {}),
+            },
+        )
         run.tracker.log_metrics(checkpoint_metrics(run.state), it)
         metrics.update(checkpoint_metrics(run.state))
     return metrics
@@ -143,7 +177,9 @@ def iteration(run: Run) -> dict[str, float]:
 def restore(run: Run) -> None:
     """Fresh workers into the last checkpoint's state (or the start when there is none): the policy worker's
     weights, optimizer and RNG, then the engine, the sampler and the controller."""
-    run.sampler.load_state_dict(run.state.get("sampler", {**run.sampler.state_dict(), "epoch": 0, "cursor": 0}))
+    run.sampler.load_state_dict(
+        run.state.get("sampler", {**run.sampler.state_dict(), "epoch": 0, "cursor": 0})
+    )
     if run.kl_ctrl is not None:
         run.kl_ctrl.load_state_dict(run.state.get("kl_ctrl", {"value": run.kl_ctrl.start}))
     if run.checkpoint is None:
@@ -161,8 +197,13 @@ def recover(run: Run, exc: Exception, rebuilds: int) -> None:
     other error, or more than trainer.max_worker_rebuilds, ends the run."""
     if not is_transient(exc) or rebuilds > run.plan.max_worker_rebuilds:
         raise exc
-    logger().warning("iteration %d: a worker died (%s); rebuilding from the last checkpoint (%d/%d)", run.iteration,
-                     type(exc).__name__, rebuilds, run.plan.max_worker_rebuilds)
+    logger().warning(
+        "iteration %d: a worker died (%s); rebuilding from the last checkpoint (%d/%d)",
+        run.iteration,
+        type(exc).__name__,
+        rebuilds,
+        run.plan.max_worker_rebuilds,
+    )
     run.workers = rebuild_workers(run.workers, run.plan)
     if run.checkpoint is not None:
         checkpoints.verify(Path(run.checkpoint))
@@ -170,8 +211,11 @@ def recover(run: Run, exc: Exception, rebuilds: int) -> None:
 
 
 def _resume_hint(ckpt: str | None) -> str:
-    return (f"The last checkpoint is {ckpt}: run the same command to resume from it." if ckpt else
-            "No checkpoint was saved yet: run the same command to start again.")
+    return (
+        f"The last checkpoint is {ckpt}: run the same command to resume from it."
+        if ckpt
+        else "No checkpoint was saved yet: run the same command to start again."
+    )
 
 
 def train(run: Run, started: float) -> dict:
@@ -181,7 +225,9 @@ def train(run: Run, started: float) -> dict:
     restore(run)
     with progress_bar("grpo", t.iterations - run.iteration + 1, run.cfg.trainer.progress) as advance:
         while run.iteration <= t.iterations:
-            note(iteration=f"iteration {run.iteration} of {t.iterations}", resume=_resume_hint(run.checkpoint))
+            note(
+                iteration=f"iteration {run.iteration} of {t.iterations}", resume=_resume_hint(run.checkpoint)
+            )
             problem = prefect.problem()  # at a stage boundary: a dead server stops the run here
             if problem:
                 stop(problem, 2)
@@ -199,25 +245,43 @@ def train(run: Run, started: float) -> dict:
     return finalize(run.workers, run.tracker, run.cfg, run.resume, run.history, time.perf_counter() - started)
 
 
-def open_run(cfg: Config, plan: RunPlan, tokenizer, train_rows, eval_rows, pipeline: str, version: str) -> Run:
+def open_run(
+    cfg: Config, plan: RunPlan, tokenizer, train_rows, eval_rows, pipeline: str, version: str
+) -> Run:
     """What this training continues (refusing, before anything is written, when there is nothing to train),
     its output directory and its MLflow run."""
     t = cfg.trainer
     fingerprint = run_fingerprint(cfg)  # config, data, models, reward: what a checkpoint must match to resume
     resume = plan_resume(cfg, fingerprint)
     claim_output(t.output_dir, "trainer.output_dir", TRAIN_OUTPUT, t.run_dir)
-    run_name = f"{pipeline or 'train'}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    run_name = f"{pipeline or 'train'}-{datetime.now(UTC):%Y%m%d-%H%M%S}"
     tracker = start_run(cfg, pipeline, version, run_name, resume, fingerprint, plan.params)
     scorers = scorers_for([r["data_source"] for r in train_rows + eval_rows], cfg)
     kl_ctrl = KLController(*plan.kl_in_reward) if plan.kl_in_reward else None
-    return Run(cfg, plan, tokenizer, train_rows, eval_rows, scorers, resume, fingerprint, tracker,
-               PromptSampler(len(train_rows), plan.batch_size, plan.shuffle, plan.seed), kl_ctrl,
-               checkpoint=str(resume.checkpoint) if resume.checkpoint else None, state=resume.state)
+    return Run(
+        cfg,
+        plan,
+        tokenizer,
+        train_rows,
+        eval_rows,
+        scorers,
+        resume,
+        fingerprint,
+        tracker,
+        PromptSampler(len(train_rows), plan.batch_size, plan.shuffle, plan.seed),
+        kl_ctrl,
+        checkpoint=str(resume.checkpoint) if resume.checkpoint else None,
+        state=resume.state,
+    )
 
 
 @flow(name="rl-train")
-def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | None = None, pipeline: str = "",
-               pipeline_version: str = "") -> dict:
+def train_flow(
+    config: str = "configs/arith_grpo.yaml",
+    overrides: list[str] | None = None,
+    pipeline: str = "",
+    pipeline_version: str = "",
+) -> dict:
     started = time.perf_counter()
     yield_prefect_server()
     cfg = load_config(config, overrides or [])
@@ -238,9 +302,13 @@ def train_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = config_parser("Run GRPO (or another preset) on the SFT model; metrics and checkpoints go to MLflow.",
-                      "reinforge train").parse_args(argv)
-    return check_config(a.config, a.overrides, a.debug) or run_cli(train_flow, a.config, a.overrides, debug=a.debug)
+    a = config_parser(
+        "Run GRPO (or another preset) on the SFT model; metrics and checkpoints go to MLflow.",
+        "reinforge train",
+    ).parse_args(argv)
+    return check_config(a.config, a.overrides, a.debug) or run_cli(
+        train_flow, a.config, a.overrides, debug=a.debug
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Persisted results for the stages whose work lives in files, so a retried flow run does not redo them.
 
-A stage's cache key is its source and the library's (every .py under components/), the config keys it reads and the content (md5) of every file it reads;
-a stage whose output files are missing runs again. A retried or crashed-and-rerun flow run
+A stage's cache key is its source and the library's (every .py under components/), the config keys it reads
+(components/stages.py) and the content (md5) of every file it reads; a stage whose output files are missing
+runs again. A retried or crashed-and-rerun flow run
 therefore gets finished stages back from the result store (state `Cached`) without running their bodies,
 and a changed input, config key or stage source runs the stage again. Results are stored as JSON, never
 pickled.
@@ -13,10 +14,11 @@ import hashlib
 import inspect
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from prefect.cache_policies import CachePolicy
 
@@ -57,7 +59,9 @@ class StageCache(CachePolicy):
     reads: PathsOf = _none
     writes: PathsOf = _none
 
-    def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs) -> str | None:
+    def compute_key(
+        self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs
+    ) -> str | None:
         cfg = inputs["cfg"]
         config = {k: config_value(cfg, k) for k in self.config_keys}
         config = {k: v.model_dump(mode="json") if hasattr(v, "model_dump") else v for k, v in config.items()}
@@ -87,7 +91,10 @@ def run_stage(task, *args, **kwargs):
     state = task(*args, return_state=True, **kwargs)
     result = state.result()  # a failed stage raises its own error here
     if state.name == "Cached":
-        logger().warning("%s: not run, its result is taken from the cache in %s (the config keys and files it "
-                         "reads are unchanged and its outputs are there)", task.name,
-                         os.environ.get("PREFECT_RESULTS_LOCAL_STORAGE_PATH", "Prefect's result storage"))
+        logger().warning(
+            "%s: not run, its result is taken from the cache in %s (the config keys and files it "
+            "reads are unchanged and its outputs are there)",
+            task.name,
+            os.environ.get("PREFECT_RESULTS_LOCAL_STORAGE_PATH", "Prefect's result storage"),
+        )
     return result

@@ -20,16 +20,29 @@ class Stage(Task):
     stages (bench/trl_compare.py)."""
 
     def __call__(self, *args: Any, return_state: bool = False, wait_for: Any = None, **kwargs: Any) -> Any:
-        return super().__call__(*(opaque(a) for a in args), return_state=return_state, wait_for=wait_for,
-                                **{k: opaque(v) for k, v in kwargs.items()})
+        return super().__call__(
+            *(opaque(a) for a in args),
+            return_state=return_state,
+            wait_for=wait_for,
+            **{k: opaque(v) for k, v in kwargs.items()},
+        )
 
 
 def stage(**options: Any):
     """@stage(name=..., retries=...): a Stage task with STAGE's defaults (no cache, a timeout) under options."""
     return lambda fn: Stage(fn=fn, **{**STAGE, **options})
 
-TRANSIENT = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError", "ObjectLostError",
-             "GetTimeoutError", "TimeoutError", "ConnectionError")
+
+TRANSIENT = (
+    "RayActorError",
+    "ActorDiedError",
+    "ActorUnavailableError",
+    "WorkerCrashedError",
+    "ObjectLostError",
+    "GetTimeoutError",
+    "TimeoutError",
+    "ConnectionError",
+)
 
 
 def is_transient(exc: BaseException) -> bool:

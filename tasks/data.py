@@ -66,13 +66,18 @@ def _tokenizer_files(inputs: dict) -> list[str]:
     source = tokenizer_source(inputs["cfg"])
     if source is None:
         return []
-    return [str(Path(source[1]) / name) for name in ("tokenizer.json", "tokenizer_config.json",
-                                                     "chat_template.jinja")]
+    return [
+        str(Path(source[1]) / name)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+    ]
 
 
 PREPARE_CACHE = StageCache(config_keys=STAGES["prepare"].reads, reads=_gsm8k_files, writes=_raw_files)
-CLEAN_CACHE = StageCache(config_keys=STAGES["clean"].reads, reads=lambda i: _raw_files(i) + _tokenizer_files(i),
-                         writes=_clean_outputs)
+CLEAN_CACHE = StageCache(
+    config_keys=STAGES["clean"].reads,
+    reads=lambda i: _raw_files(i) + _tokenizer_files(i),
+    writes=_clean_outputs,
+)
 
 
 @task(name="prepare-data", timeout_seconds=600, **cached_stage(PREPARE_CACHE))
@@ -84,10 +89,18 @@ def prepare_data(cfg: Config) -> list[str]:
     if d.gsm8k_path:
         train, test = gsm8k_splits(d.gsm8k_path, d.gsm8k_test_path, d.num_eval, cfg.trainer.seed)
     else:
-        train, test = arithmetic_rows(d.num_train, d.num_eval, d.max_operand, d.operations, cfg.trainer.seed,
-                                      d.tool_sft_fraction if d.task == "arith_tool" else None)
-    paths = [write_parquet(rows, raw / name, ROW_SCHEMA) for rows, name in ((train, "train.parquet"),
-                                                                          (test, "test.parquet"))]
+        train, test = arithmetic_rows(
+            d.num_train,
+            d.num_eval,
+            d.max_operand,
+            d.operations,
+            cfg.trainer.seed,
+            d.tool_sft_fraction if d.task == "arith_tool" else None,
+        )
+    paths = [
+        write_parquet(rows, raw / name, ROW_SCHEMA)
+        for rows, name in ((train, "train.parquet"), (test, "test.parquet"))
+    ]
     logger().info("prepared %d train and %d test rows in %s", len(train), len(test), raw)
     return [str(p) for p in paths]
 
@@ -102,8 +115,15 @@ def clean_data(cfg: Config) -> list[dict]:
     reports, train_keys = [], None
     for src, dst in ((raw / "train.parquet", d.train_path), (raw / "test.parquet", d.eval_path)):
         r = clean_file(src, dst, d.quarantine_dir, tokenizer, rules, train_keys)
-        logger().info("%s: %d rows in, %d kept, %d quarantined %s -> %s", src, r.input_rows, r.kept,
-                      r.quarantined, r.reasons or "", r.quarantine_path)
+        logger().info(
+            "%s: %d rows in, %d kept, %d quarantined %s -> %s",
+            src,
+            r.input_rows,
+            r.kept,
+            r.quarantined,
+            r.reasons or "",
+            r.quarantine_path,
+        )
         reports.append(asdict(r))
         if train_keys is None:
             train_keys = _keys(to_plain(r) for r in read_rows(dst).to_dict("records"))

@@ -21,26 +21,39 @@ from components.training.seeding import derive_seed
 from tasks.caching import StageCache, cached_stage
 from tasks.common import STAGE
 
-
-
-EVAL_CACHE = StageCache(config_keys=STAGES["evaluate"].reads,
-                        reads=lambda i: [i["model_path"], i["eval_path"]])
+EVAL_CACHE = StageCache(
+    config_keys=STAGES["evaluate"].reads, reads=lambda i: [i["model_path"], i["eval_path"]]
+)
 
 
 @task(name="evaluate-model", timeout_seconds=STAGE["timeout_seconds"], **cached_stage(EVAL_CACHE))
-def evaluate_model(model_path: str, eval_path: str, cfg: Config, model_key: str = "--model_path",
-                   data_key: str = "--eval_data") -> dict[str, float]:
+def evaluate_model(
+    model_path: str,
+    eval_path: str,
+    cfg: Config,
+    model_key: str = "--model_path",
+    data_key: str = "--eval_data",
+) -> dict[str, float]:
     """Greedy accuracy (`acc`) and sampled mean@k / pass@k of the model at `model_path`. The held-out rows
     are checked first, as the clean stage checks them, with this model's tokenizer."""
-    rows = validate_file(eval_path, data_key, load_tokenizer(model_path, model_key), RowRules.from_config(cfg))
-    rows = rows[:cfg.trainer.eval_size] if cfg.trainer.eval_size else rows
+    rows = validate_file(
+        eval_path, data_key, load_tokenizer(model_path, model_key), RowRules.from_config(cfg)
+    )
+    rows = rows[: cfg.trainer.eval_size] if cfg.trainer.eval_size else rows
     plan = make_plan(cfg)
     worker = RolloutWorker.from_settings(replace(plan.rollout, model_path=model_path), key=model_key)
     scorers = scorers_for([r["data_source"] for r in rows], cfg)
     e = plan.evaluation
-    m = evaluate(lambda chunk, params, seed: worker.generate(chunk, params, seed, iteration=-1), worker.decode,
-                 lambda *batch: score_batch(*batch, scorers, plan.rewards.concurrency), rows, e.k,
-                 e.max_new_tokens, derive_seed(e.seed, "eval"), e.temperature)
+    m = evaluate(
+        lambda chunk, params, seed: worker.generate(chunk, params, seed, iteration=-1),
+        worker.decode,
+        lambda *batch: score_batch(*batch, scorers, plan.rewards.concurrency),
+        rows,
+        e.k,
+        e.max_new_tokens,
+        derive_seed(e.seed, "eval"),
+        e.temperature,
+    )
     k = cfg.trainer.eval_k
     out = {"acc": m["val/acc"], "n": len(rows)}
     for key, value in m.items():
@@ -55,11 +68,19 @@ def write_eval(results: dict, path: str, tracker_run: dict | None) -> str:
     write_json(results, path)
     if tracker_run and tracker_run.get("run_id"):
         tracker = Tracker(tracker_run["experiment"], "", run_id=tracker_run["run_id"])
-        tracker.log_summary({f"eval/{name}/{k}": v for name in ("sft", "final") for k, v in results[name].items()
-                             if isinstance(v, (int, float))})
+        tracker.log_summary(
+            {
+                f"eval/{name}/{k}": v
+                for name in ("sft", "final")
+                for k, v in results[name].items()
+                if isinstance(v, (int, float))
+            }
+        )
         if tracker_run.get("model_id"):  # the held-out figures of that exact model, logged with it
-            tracker.log_summary({f"eval/{k}": v for k, v in results["final"].items() if isinstance(v, (int, float))},
-                                model_id=tracker_run["model_id"])
+            tracker.log_summary(
+                {f"eval/{k}": v for k, v in results["final"].items() if isinstance(v, (int, float))},
+                model_id=tracker_run["model_id"],
+            )
         tracker.log_artifact(path)
         tracker.end("FINISHED")
     return str(Path(path))

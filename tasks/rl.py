@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from components.algorithms.shaping import group_counts
 from components.batch import Batch
 from components.config import Config
 from components.errors import ConfigError
@@ -12,9 +13,14 @@ from components.evaluation import evaluate
 from components.models.loading import check_model_dir, load_tokenizer
 from components.plan import RunPlan
 from components.rewards.custom import check_custom_reward
-from components.rl import add_advantages, add_rewards, concat_rounds, decode_responses, first_groups, \
-    informative_rows
-from components.algorithms.shaping import group_counts
+from components.rl import (
+    add_advantages,
+    add_rewards,
+    concat_rounds,
+    decode_responses,
+    first_groups,
+    informative_rows,
+)
 from components.services import check_services
 from components.training import ray_workers
 from components.training.ray_workers import Workers
@@ -36,9 +42,11 @@ def check_inputs(cfg: Config, needs_critic: bool):
     if cfg.reward_model.path:
         check_model_dir(cfg.reward_model.path, "reward_model.path")
     if cfg.multi_turn.enable and not tokenizer.chat_template:
-        raise ConfigError(f"multi_turn.enable=true: the tokenizer of actor.model.path={cfg.actor.model.path} has "
-                          "no chat template, which tool turns are rendered with. Use a model whose tokenizer has "
-                          "one, or set multi_turn.enable=false.")
+        raise ConfigError(
+            f"multi_turn.enable=true: the tokenizer of actor.model.path={cfg.actor.model.path} has "
+            "no chat template, which tool turns are rendered with. Use a model whose tokenizer has "
+            "one, or set multi_turn.enable=false."
+        )
     return tokenizer
 
 
@@ -54,34 +62,48 @@ def _engine_seeds(workers: Workers, seed: int) -> list[int]:
 
 
 @stage(name="gen")
-def generate_rollouts(workers: Workers, rows: list[dict], plan: RunPlan, iteration: int, version: int,
-                      round_: int = 0) -> Batch:
+def generate_rollouts(
+    workers: Workers, rows: list[dict], plan: RunPlan, iteration: int, version: int, round_: int = 0
+) -> Batch:
     """engine.n completions per prompt, sampled with weights `version` (checked by the engine); remax also
     gets one greedy completion per prompt. `round_` counts dynamic sampling's extra rounds. A dead engine is
     the rollout group's to restart (and its share retried), not this task's."""
     seed = derive_seed(plan.seed, iteration, "rollout", *([round_] if round_ else []))
-    return workers.sample(rows, plan.sampling, seed, iteration, version, plan.algorithm.needs_baseline,
-                          _engine_seeds(workers, seed))
+    return workers.sample(
+        rows,
+        plan.sampling,
+        seed,
+        iteration,
+        version,
+        plan.algorithm.needs_baseline,
+        _engine_seeds(workers, seed),
+    )
 
 
 def scorer(plan: RunPlan, scorers: dict):
     """The one scoring path, for training rewards and held-out evaluation: the RewardScorer actor, bounded by
     trainer.stage_timeout_s. (texts, truths, sources, extras) -> (scores, valid, sub-scores)."""
+
     def score(texts, truths, sources, extras):
-        return ray_workers.score_in_worker(texts, truths, sources, extras, scorers, plan.rewards.concurrency,
-                                           plan.placement.stage_timeout_s)
+        return ray_workers.score_in_worker(
+            texts, truths, sources, extras, scorers, plan.rewards.concurrency, plan.placement.stage_timeout_s
+        )
 
     return score
 
 
 @stage(name="reward")
-def score_rewards(batch: Batch, tokenizer, plan: RunPlan, workers: Workers, scorers: dict
-                  ) -> tuple[Batch, dict[str, float]]:
+def score_rewards(
+    batch: Batch, tokenizer, plan: RunPlan, workers: Workers, scorers: dict
+) -> tuple[Batch, dict[str, float]]:
     """Decode responses and score them with the scorer of each row's data_source (plus DAPO's overlong
     penalty, and the greedy baseline's score for remax); with reward_model.path, the reward model's actor
     scores prompt + response too and the two are mixed by reward_model.rule_weight / model_weight."""
-    baseline = decode_responses(tokenizer, batch, "baseline_responses", "baseline_mask") \
-        if "baseline_responses" in batch.tensors else None
+    baseline = (
+        decode_responses(tokenizer, batch, "baseline_responses", "baseline_mask")
+        if "baseline_responses" in batch.tensors
+        else None
+    )
     texts = decode_responses(tokenizer, batch)
     model_scores = None
     if workers.reward_model is not None:
@@ -114,7 +136,9 @@ def prepare_batch(workers: Workers, batch: Batch) -> tuple[Batch, dict[str, floa
 
 
 @stage(name="adv")
-def compute_advantages(batch: Batch, plan: RunPlan, kl_coef: float | None = None) -> tuple[Batch, dict[str, float]]:
+def compute_advantages(
+    batch: Batch, plan: RunPlan, kl_coef: float | None = None
+) -> tuple[Batch, dict[str, float]]:
     """Advantages by the preset's estimator; kl_coef subtracts the KL to the reference from the rewards."""
     return add_advantages(batch, plan.algorithm, kl_coef, plan.rewards.kl_penalty)
 
@@ -140,11 +164,17 @@ def update_policy(workers: Workers, batch: Batch) -> tuple[dict[str, float], int
     except Exception as exc:
         if not is_transient(exc):
             raise
-        logger().warning("weights not pushed to the rollout engine (%s); it gets them before it samples",
-                         type(exc).__name__)
+        logger().warning(
+            "weights not pushed to the rollout engine (%s); it gets them before it samples",
+            type(exc).__name__,
+        )
         version = workers.policy.state()["version"]
     done = time.perf_counter()
-    return {**metrics, "timing_s/update_actor": synced - start, "timing_s/update_weights": done - synced}, version
+    return {
+        **metrics,
+        "timing_s/update_actor": synced - start,
+        "timing_s/update_weights": done - synced,
+    }, version
 
 
 @stage(name="update-weights")
@@ -155,17 +185,26 @@ def sync_weights(workers: Workers) -> int:
 
 
 @stage(name="testing")
-def evaluate_policy(workers: Workers, rows: list[dict], plan: RunPlan, tokenizer, scorers: dict
-                    ) -> dict[str, float]:
+def evaluate_policy(
+    workers: Workers, rows: list[dict], plan: RunPlan, tokenizer, scorers: dict
+) -> dict[str, float]:
     """Greedy accuracy and mean@k / pass@k on the held-out rows with the current weights: sampled by the
     rollout group, decoded here, scored on the training rewards' path (the RewardScorer actor)."""
     e = plan.evaluation
-    rows = rows[:e.size] if e.size else rows
+    rows = rows[: e.size] if e.size else rows
     version = workers.policy.state()["version"]
     workers.ensure_current(version)
 
     def generate(chunk, params, seed):
         return workers.rollout.generate(chunk, params, seed, -1, version, seeds=_engine_seeds(workers, seed))
 
-    return evaluate(generate, lambda batch: decode_responses(tokenizer, batch), scorer(plan, scorers), rows, e.k,
-                    e.max_new_tokens, derive_seed(e.seed, "eval"), e.temperature)
+    return evaluate(
+        generate,
+        lambda batch: decode_responses(tokenizer, batch),
+        scorer(plan, scorers),
+        rows,
+        e.k,
+        e.max_new_tokens,
+        derive_seed(e.seed, "eval"),
+        e.temperature,
+    )

@@ -23,24 +23,34 @@ from tasks.data import sft_tokenizer
 
 SFT_CACHE = StageCache(
     config_keys=STAGES["sft"].reads,
-    reads=lambda i: [i["cfg"].data.train_path] + ([i["cfg"].sft.base_model] if i["cfg"].sft.base_model else []),
-    writes=lambda i: [str(Path(i["cfg"].sft.output_dir) / "config.json")])
+    reads=lambda i: (
+        [i["cfg"].data.train_path] + ([i["cfg"].sft.base_model] if i["cfg"].sft.base_model else [])
+    ),
+    writes=lambda i: [str(Path(i["cfg"].sft.output_dir) / "config.json")],
+)
 
 
 def check_examples(examples: list[SFTExample], answers: list[str], max_seq_len: int, path: str) -> None:
     """Every row has an answer to learn (extra_info.answer) and fits actor.model.max_seq_len; DataError naming
     the first rows that do not."""
     empty = [i for i, a in enumerate(answers) if not a.strip()]
-    long = [(i, len(e.prompt_ids) + len(e.answer_ids)) for i, e in enumerate(examples)
-            if len(e.prompt_ids) + len(e.answer_ids) > max_seq_len]
+    long = [
+        (i, len(e.prompt_ids) + len(e.answer_ids))
+        for i, e in enumerate(examples)
+        if len(e.prompt_ids) + len(e.answer_ids) > max_seq_len
+    ]
     if empty:
-        raise DataError(f"data.train_path={path}: {len(empty)} rows have no answer to train on (column "
-                        f"extra_info.answer), the first: row {empty[0]}. SFT needs an answer per row; give them, "
-                        "or skip SFT and train from a model that needs none (actor.model.path).")
+        raise DataError(
+            f"data.train_path={path}: {len(empty)} rows have no answer to train on (column "
+            f"extra_info.answer), the first: row {empty[0]}. SFT needs an answer per row; give them, "
+            "or skip SFT and train from a model that needs none (actor.model.path)."
+        )
     if long:
-        raise DataError(f"data.train_path={path}: {len(long)} rows are longer than actor.model.max_seq_len="
-                        f"{max_seq_len} tokens (prompt + answer), the first: row {long[0][0]} with {long[0][1]}. "
-                        "Raise actor.model.max_seq_len, or shorten those answers.")
+        raise DataError(
+            f"data.train_path={path}: {len(long)} rows are longer than actor.model.max_seq_len="
+            f"{max_seq_len} tokens (prompt + answer), the first: row {long[0][0]} with {long[0][1]}. "
+            "Raise actor.model.max_seq_len, or shorten those answers."
+        )
 
 
 @task(name="sft", timeout_seconds=3600, **cached_stage(SFT_CACHE))
@@ -57,14 +67,29 @@ def run_sft(cfg: Config) -> str:
     if s.base_model:
         model = load_model(s.base_model, key="sft.base_model")
     else:
-        model = build_tiny_model(tok, hidden_size=s.hidden_size, num_layers=s.num_layers, num_heads=s.num_heads,
-                                 intermediate_size=s.intermediate_size, max_positions=cfg.actor.model.max_seq_len,
-                                 seed=cfg.trainer.seed)
+        model = build_tiny_model(
+            tok,
+            hidden_size=s.hidden_size,
+            num_layers=s.num_layers,
+            num_heads=s.num_heads,
+            intermediate_size=s.intermediate_size,
+            max_positions=cfg.actor.model.max_seq_len,
+            seed=cfg.trainer.seed,
+        )
     with progress_bar("sft", s.steps, cfg.trainer.progress) as advance:
-        losses = train_sft(model, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr,
-                           pad_id=tok.pad_token_id, seed=cfg.trainer.seed, final_lr_frac=s.final_lr_frac,
-                           on_step=lambda step, loss: advance(info=f"loss {loss:.3f}"))
+        losses = train_sft(
+            model,
+            examples,
+            steps=s.steps,
+            batch_size=s.batch_size,
+            lr=s.lr,
+            pad_id=tok.pad_token_id,
+            seed=cfg.trainer.seed,
+            final_lr_frac=s.final_lr_frac,
+            on_step=lambda step, loss: advance(info=f"loss {loss:.3f}"),
+        )
     out = save_pretrained(model, tok, Path(s.output_dir), kind=SFT_MODEL)
-    logger().info("SFT: %d steps, final loss %.4f, saved to %s", s.steps, losses[-1] if losses else float("nan"),
-                  out)
+    logger().info(
+        "SFT: %d steps, final loss %.4f, saved to %s", s.steps, losses[-1] if losses else float("nan"), out
+    )
     return str(out)

@@ -23,8 +23,11 @@ def run_fingerprint(cfg: Config) -> runs.Fingerprint:
     models the run starts from (the policy, and the critic's and reward model's when set) and the custom
     reward function's source."""
     inputs = {"train_data": file_md5(cfg.data.train_path)}
-    for key, path in (("actor.model.path", cfg.actor.model.path), ("critic.model_path", cfg.critic.model_path),
-                      ("reward_model.path", cfg.reward_model.path)):
+    for key, path in (
+        ("actor.model.path", cfg.actor.model.path),
+        ("critic.model_path", cfg.critic.model_path),
+        ("reward_model.path", cfg.reward_model.path),
+    ):
         if path:
             inputs[key] = model_digest(path)
     reward_file = cfg.custom_reward_function.path
@@ -40,36 +43,57 @@ def plan_resume(cfg: Config, fp: runs.Fingerprint) -> runs.ResumePlan:
     (components/tracking/runs.py); a corrupt checkpoint is passed over, named in the log, for the last good
     one. Raises before anything is written when there is nothing to train."""
     t = cfg.trainer
-    resume = runs.plan_run(t.output_dir, fp, t.resume_mode, t.iterations, t.resume_accept_mismatch,
-                           t.when_finished)
+    resume = runs.plan_run(
+        t.output_dir, fp, t.resume_mode, t.iterations, t.resume_accept_mismatch, t.when_finished
+    )
     for note in resume.notes:
         logger().warning("resume: %s", note)
     if resume.checkpoint is not None:
         checkpoints.check_same_shapes(resume.checkpoint, cfg.actor.model.path)
-        logger().warning("resuming from %s%s", resume.checkpoint,
-                         f" (a finished run, extended to {t.iterations} iterations)" if resume.extends else "")
+        logger().warning(
+            "resuming from %s%s",
+            resume.checkpoint,
+            f" (a finished run, extended to {t.iterations} iterations)" if resume.extends else "",
+        )
     return resume
 
 
 @stage(name="start-run")
-def start_run(cfg: Config, pipeline: str, version: str, run_name: str, resume: runs.ResumePlan,
-              fp: runs.Fingerprint, params: dict) -> Tracker:
+def start_run(
+    cfg: Config,
+    pipeline: str,
+    version: str,
+    run_name: str,
+    resume: runs.ResumePlan,
+    fp: runs.Fingerprint,
+    params: dict,
+) -> Tracker:
     """One MLflow run: params = flattened config; tags = git commit, data hashes, pipeline name/version.
     A resumed training continues its run (never renamed; steps it already has are never logged again); an
     extension of a finished run logs to a child of it, which stays as it finished. Writes the run directory's
     run.json."""
     hashes = verify_tracked([cfg.data.train_path, cfg.data.eval_path])
     parent = resume.parent_run_id
-    tags = {"git_commit": git_commit(), "pipeline": pipeline or "adhoc", "pipeline_version": version or "",
-            "dvc.train_md5": hashes[cfg.data.train_path], "dvc.eval_md5": hashes[cfg.data.eval_path],
-            "reinforge.run_dir": str(resume.run_dir)}
+    tags = {
+        "git_commit": git_commit(),
+        "pipeline": pipeline or "adhoc",
+        "pipeline_version": version or "",
+        "dvc.train_md5": hashes[cfg.data.train_path],
+        "dvc.eval_md5": hashes[cfg.data.eval_path],
+        "reinforge.run_dir": str(resume.run_dir),
+    }
     if parent:
         run_name = f"{run_name}-extends-{parent[:8]}"
-        tags.update({"mlflow.parentRunId": parent, "reinforge.extends": f"{parent} at iteration {resume.extends}"})
+        tags.update(
+            {"mlflow.parentRunId": parent, "reinforge.extends": f"{parent} at iteration {resume.extends}"}
+        )
     tracker = Tracker(cfg.trainer.experiment_name, run_name, run_id=resume.mlflow_run_id)
     if resume.mlflow_run_id and tracker.run_id != resume.mlflow_run_id:
-        logger().warning("resume: MLflow run %s of the checkpoint is not in this tracking store; logging to a new "
-                         "run %s", resume.mlflow_run_id, tracker.run_id)
+        logger().warning(
+            "resume: MLflow run %s of the checkpoint is not in this tracking store; logging to a new run %s",
+            resume.mlflow_run_id,
+            tracker.run_id,
+        )
     tracker.log_params(params)
     tracker.set_tags(tags if tracker.resumed else {**tags, "mlflow.runName": run_name})
     runs.start_info(resume, fp, cfg.trainer.iterations, tracker.run_id)
@@ -77,18 +101,26 @@ def start_run(cfg: Config, pipeline: str, version: str, run_name: str, resume: r
 
 
 @stage(name="save-checkpoint")
-def save_checkpoint(workers: Workers, tracker: Tracker, cfg: Config, resume: runs.ResumePlan, iteration: int,
-                    state: dict) -> tuple[str, dict]:
+def save_checkpoint(
+    workers: Workers, tracker: Tracker, cfg: Config, resume: runs.ResumePlan, iteration: int, state: dict
+) -> tuple[str, dict]:
     """Atomic checkpoint in the run's own directory (the policy worker's model, optimizer, scheduler, RNG and
     critic; the driver's `state`: sampler position, weights version, controller, run fingerprint) logged to
     MLflow as an artifact. Returns its directory and its state.json (checkpoint_metrics reads the save's timing
     from it). The metrics queued so far are stored first: a checkpoint never gets ahead of its run's metrics."""
     tracker.flush()
     path = checkpoints.save_checkpoint(
-        resume.checkpoints, iteration, lambda out: workers.policy.write_checkpoint(str(out), cfg.trainer.save_optimizer),
-        {**state, "mlflow_run_id": tracker.run_id, "seed": cfg.trainer.seed,
-         "target_iterations": cfg.trainer.iterations},
-        keep=cfg.trainer.max_checkpoints_to_keep)
+        resume.checkpoints,
+        iteration,
+        lambda out: workers.policy.write_checkpoint(str(out), cfg.trainer.save_optimizer),
+        {
+            **state,
+            "mlflow_run_id": tracker.run_id,
+            "seed": cfg.trainer.seed,
+            "target_iterations": cfg.trainer.iterations,
+        },
+        keep=cfg.trainer.max_checkpoints_to_keep,
+    )
     tracker.log_artifacts(path, f"checkpoints/{path.name}")
     return str(path), checkpoints.read_state(path)
 
@@ -105,8 +137,14 @@ def restore_checkpoint(workers: Workers, ckpt: str) -> int:
 
 
 @stage(name="finalize")
-def finalize(workers: Workers, tracker: Tracker, cfg: Config, resume: runs.ResumePlan, history: list[dict],
-             wall_s: float) -> dict:
+def finalize(
+    workers: Workers,
+    tracker: Tracker,
+    cfg: Config,
+    resume: runs.ResumePlan,
+    history: list[dict],
+    wall_s: float,
+) -> dict:
     """Save the final model in the run directory (HF format) and log it to MLflow as a model of its own
     (stored apart from the run's artifacts, so no later run ever writes its files); the reward curve and
     run.json; end the MLflow run. `latest` in trainer.output_dir names this run."""
@@ -115,11 +153,20 @@ def finalize(workers: Workers, tracker: Tracker, cfg: Config, resume: runs.Resum
     plot = reward_curve(history, resume.run_dir / "reward_curve.png")
     tracker.log_artifact(plot)
     last_eval = next((h for h in reversed(history) if "val/acc" in h), {})
-    info = runs.write_info(resume.run_dir, status="finished", final_model=final, model_id=model_id,
-                           final_val_acc=last_eval.get("val/acc"), wall_seconds=round(wall_s, 2),
-                           experiment=cfg.trainer.experiment_name, run_id=tracker.run_id)
+    info = runs.write_info(
+        resume.run_dir,
+        status="finished",
+        final_model=final,
+        model_id=model_id,
+        final_val_acc=last_eval.get("val/acc"),
+        wall_seconds=round(wall_s, 2),
+        experiment=cfg.trainer.experiment_name,
+        run_id=tracker.run_id,
+    )
     tracker.log_artifact(resume.run_dir / runs.RUN_INFO)
-    write_atomic(Path(cfg.trainer.output_dir) / "latest", lambda tmp: Path(tmp).write_text(resume.run_dir.name + "\n"))
+    write_atomic(
+        Path(cfg.trainer.output_dir) / "latest", lambda tmp: Path(tmp).write_text(resume.run_dir.name + "\n")
+    )
     tracker.end("FINISHED")
     return info
 

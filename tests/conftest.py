@@ -23,8 +23,15 @@ def tokenizer():
 
 
 def make_model(tokenizer, seed: int = 0, hidden: int = 32):
-    return build_tiny_model(tokenizer, hidden_size=hidden, num_layers=1, num_heads=2, intermediate_size=64,
-                            max_positions=64, seed=seed)
+    return build_tiny_model(
+        tokenizer,
+        hidden_size=hidden,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        max_positions=64,
+        seed=seed,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -36,8 +43,9 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="session")
 def ray_local():
-    from components.training.ray_workers import ensure_ray
     import ray
+
+    from components.training.ray_workers import ensure_ray
 
     ensure_ray()
     yield

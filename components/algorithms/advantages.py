@@ -45,7 +45,9 @@ def group_sum(values: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> tor
     return torch.zeros(n_groups, dtype=values.dtype).index_add_(0, inverse, values)
 
 
-def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_stats(
+    scores: torch.Tensor, group_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-response group mean, unbiased std and group size. scores (B,), group_ids (B,) -> 3 x (B,).
 
     A group of one gets mean 0 and std 1, as in verl, so its advantage is its raw score.
@@ -155,7 +157,9 @@ def opo(token_rewards, response_mask, group_ids, values, params: AdvantageParams
     scores = (token_rewards * response_mask).sum(-1)
     lengths = response_mask.sum(-1)
     inverse, n = group_index(group_ids)
-    baseline = (group_sum(lengths * scores, inverse, n) / group_sum(lengths, inverse, n).clamp(min=1))[inverse]
+    baseline = (group_sum(lengths * scores, inverse, n) / group_sum(lengths, inverse, n).clamp(min=1))[
+        inverse
+    ]
     return _broadcast(scores - baseline, response_mask)
 
 
@@ -182,8 +186,10 @@ def remax(token_rewards, response_mask, group_ids, values, params: AdvantagePara
     """ReMax (arXiv 2310.10505): A_t = G_t - b, where G_t is the undiscounted reward-to-go and b the score of
     the greedy completion for the same prompt, given here as `values` (B, T). No whitening (as in verl)."""
     if values is None:
-        raise ValueError("remax needs the greedy-decode baseline; use algorithm.name=remax, whose rollout stage "
-                         "samples one greedy completion per prompt")
+        raise ValueError(
+            "remax needs the greedy-decode baseline; use algorithm.name=remax, whose rollout stage "
+            "samples one greedy completion per prompt"
+        )
     returns = discounted_returns(token_rewards * response_mask, response_mask, 1.0)
     adv = (returns - values) * response_mask
     return adv, returns

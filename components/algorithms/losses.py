@@ -101,9 +101,11 @@ def _ratio_metrics(mask, agg: AggParams, log_ratio, clipped, clipped_lower) -> d
     """pg_clipfrac, pg_clipfrac_lower (fractions of masked tokens) and ppo_kl = mean(-log_ratio), where
     log_ratio = logp - old_logp as the loss used it."""
     tok = AggParams(agg.num_tokens, agg.num_seqs)
-    return {"actor/pg_clipfrac": token_mean(clipped.float(), mask, tok),
-            "actor/pg_clipfrac_lower": token_mean(clipped_lower.float(), mask, tok),
-            "actor/ppo_kl": token_mean(-log_ratio.detach(), mask, tok)}
+    return {
+        "actor/pg_clipfrac": token_mean(clipped.float(), mask, tok),
+        "actor/pg_clipfrac_lower": token_mean(clipped_lower.float(), mask, tok),
+        "actor/ppo_kl": token_mean(-log_ratio.detach(), mask, tok),
+    }
 
 
 @POLICY_LOSSES.register("vanilla")
@@ -150,12 +152,21 @@ def cispo(logp, old_logp, advantages, mask, p: PolicyLossParams, agg: AggParams)
     ratio = torch.exp((logp - old_logp).clamp(-20, 20))
     weight = ratio.clamp(1 - p.clip_low, 1 + p.clip_high).detach()
     per_token = -advantages * weight * logp
-    metrics = _ratio_metrics(mask, agg, logp - old_logp, weight != ratio.detach(), ratio.detach() < 1 - p.clip_low)
+    metrics = _ratio_metrics(
+        mask, agg, logp - old_logp, weight != ratio.detach(), ratio.detach() < 1 - p.clip_low
+    )
     return agg_loss(per_token, mask, p.agg_mode, agg), metrics
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               cliprange: float, agg_mode: str, agg: AggParams) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float,
+    agg_mode: str,
+    agg: AggParams,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss (PPO's critic): 1/2 agg(max((v - R)^2, (clip(v, v_old +- c) - R)^2)).
 
     values, old_values, returns, mask: (B, T). Returns the scalar loss and critic/vf_clipfrac, the fraction

@@ -14,21 +14,36 @@ from components.algorithms.losses import AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
 if TYPE_CHECKING:
     from components.config.schema import AlgorithmConfig
 
-BASE: dict = {"adv_estimator": "grpo", "loss_agg_mode": "token-mean", "norm_adv_by_std": True,
-              "policy_loss": "vanilla", "gamma": 1.0, "lam": 1.0, "clip_ratio_high": None,
-              "dynamic_sampling": False, "overlong_buffer_frac": 0.0}
+BASE: dict = {
+    "adv_estimator": "grpo",
+    "loss_agg_mode": "token-mean",
+    "norm_adv_by_std": True,
+    "policy_loss": "vanilla",
+    "gamma": 1.0,
+    "lam": 1.0,
+    "clip_ratio_high": None,
+    "dynamic_sampling": False,
+    "overlong_buffer_frac": 0.0,
+}
 
 PRESETS: dict[str, dict] = {
     "grpo": {},
     # PPO with a critic: GAE advantages (verl's defaults gamma = lam = 1), actor and critic trained together
     "ppo": {"adv_estimator": "gae"},
     # Dr.GRPO (arXiv 2503.20783): no std division, a constant normaliser instead of the length
-    "dr_grpo": {"adv_estimator": "dr_grpo", "loss_agg_mode": "seq-mean-token-sum-norm", "norm_adv_by_std": False},
+    "dr_grpo": {
+        "adv_estimator": "dr_grpo",
+        "loss_agg_mode": "seq-mean-token-sum-norm",
+        "norm_adv_by_std": False,
+    },
     # DAPO (arXiv 2503.14476): clip-higher 0.28, token-level loss, dynamic sampling, overlong shaping (20 %)
     "dapo": {"clip_ratio_high": 0.28, "dynamic_sampling": True, "overlong_buffer_frac": 0.2},
     "rloo": {"adv_estimator": "rloo", "norm_adv_by_std": False},
     "reinforce_plus_plus": {"adv_estimator": "reinforce_plus_plus", "norm_adv_by_std": False},
-    "reinforce_plus_plus_baseline": {"adv_estimator": "reinforce_plus_plus_baseline", "norm_adv_by_std": False},
+    "reinforce_plus_plus_baseline": {
+        "adv_estimator": "reinforce_plus_plus_baseline",
+        "norm_adv_by_std": False,
+    },
     "remax": {"adv_estimator": "remax", "norm_adv_by_std": False},
     "gspo": {"loss_agg_mode": "seq-mean-token-mean", "policy_loss": "gspo"},
 }
@@ -53,10 +68,12 @@ class ResolvedAlgorithm:
     grouped: bool  # the estimator compares completions of one prompt
 
 
-def resolve(cfg: "AlgorithmConfig") -> ResolvedAlgorithm:
+def resolve(cfg: AlgorithmConfig) -> ResolvedAlgorithm:
     """Fill the preset's defaults into unset knobs; KeyError (naming the key and valid names) on a bad name."""
     if cfg.name not in PRESETS:
-        raise KeyError(f"algorithm.name={cfg.name}: unknown preset. Valid names: {', '.join(sorted(PRESETS))}.")
+        raise KeyError(
+            f"algorithm.name={cfg.name}: unknown preset. Valid names: {', '.join(sorted(PRESETS))}."
+        )
     preset = {**BASE, **PRESETS[cfg.name]}
     knobs = {k: getattr(cfg, k) if getattr(cfg, k) is not None else v for k, v in preset.items()}
     if knobs["clip_ratio_high"] is None:
@@ -66,12 +83,18 @@ def resolve(cfg: "AlgorithmConfig") -> ResolvedAlgorithm:
     POLICY_LOSSES.get(knobs["policy_loss"])
     for key, kind in (("kl_loss_type", cfg.kl_loss_type), ("kl_penalty", cfg.kl_penalty)):
         if kind.rstrip("+") not in KL_ESTIMATORS:
-            raise KeyError(f"algorithm.{key}={kind}: unknown KL estimator. Valid names: "
-                           f"{', '.join(KL_ESTIMATORS.names())} (add `+` for the straight-through form).")
+            raise KeyError(
+                f"algorithm.{key}={kind}: unknown KL estimator. Valid names: "
+                f"{', '.join(KL_ESTIMATORS.names())} (add `+` for the straight-through form)."
+            )
     use_kl_loss = cfg.use_kl_loss if cfg.use_kl_loss is not None else cfg.kl_loss_coef > 0
     use_kl_loss = use_kl_loss and cfg.kl_loss_coef > 0
-    return ResolvedAlgorithm(**knobs, kl_loss_type=cfg.kl_loss_type, use_kl_loss=use_kl_loss,
-                             needs_reference=use_kl_loss or cfg.use_kl_in_reward,
-                             needs_critic=bool(info.get("needs_values")),
-                             needs_baseline=bool(info.get("needs_baseline")), grouped=bool(info.get("grouped")))
-
+    return ResolvedAlgorithm(
+        **knobs,
+        kl_loss_type=cfg.kl_loss_type,
+        use_kl_loss=use_kl_loss,
+        needs_reference=use_kl_loss or cfg.use_kl_in_reward,
+        needs_critic=bool(info.get("needs_values")),
+        needs_baseline=bool(info.get("needs_baseline")),
+        grouped=bool(info.get("grouped")),
+    )

@@ -6,7 +6,8 @@ callers ask the registry instead of keeping their own lists of names.
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
 

@@ -36,8 +36,14 @@ def informative_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.T
     return (hi > lo)[inverse]
 
 
-def kl_in_reward(token_rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
-                 coef: float, kind: str) -> tuple[torch.Tensor, float]:
+def kl_in_reward(
+    token_rewards: torch.Tensor,
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float,
+    kind: str,
+) -> tuple[torch.Tensor, float]:
     """r_t = score_t - coef * kl_t over response tokens (B, T); also the batch's mean per-token KL (the mean
     over sequences of each sequence's masked mean), which the adaptive controller tracks."""
     kl = kl_penalty(logp, ref_logp, kind) * mask

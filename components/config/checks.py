@@ -13,10 +13,15 @@ if TYPE_CHECKING:
     from components.config.schema import Config
 
 
-
 # Paths the pipeline reads as data or writes to: each must resolve (symlinks followed) inside trainer.run_dir.
-CONTAINED_PATHS = ("data.train_path", "data.eval_path", "data.raw_dir", "data.quarantine_dir", "sft.output_dir",
-                   "trainer.output_dir")
+CONTAINED_PATHS = (
+    "data.train_path",
+    "data.eval_path",
+    "data.raw_dir",
+    "data.quarantine_dir",
+    "sft.output_dir",
+    "trainer.output_dir",
+)
 # Output directories a stage replaces or prunes: never the run directory itself.
 OUTPUT_DIRS = ("sft.output_dir", "trainer.output_dir")
 
@@ -29,11 +34,13 @@ def config_value(cfg, dotted: str):
     return node
 
 
-def path_problems(cfg: "Config") -> list[str]:
+def path_problems(cfg: Config) -> list[str]:
     """Each contained path that escapes trainer.run_dir (by `..`, an absolute path or a symlink), with the fix.
     Only resolves names; nothing is created or written."""
-    problems = [escape_problem(key, config_value(cfg, key), cfg.trainer.run_dir, key in OUTPUT_DIRS)
-                for key in CONTAINED_PATHS]
+    problems = [
+        escape_problem(key, config_value(cfg, key), cfg.trainer.run_dir, key in OUTPUT_DIRS)
+        for key in CONTAINED_PATHS
+    ]
     return [p for p in problems if p]
 
 
@@ -43,57 +50,82 @@ def escape_problem(key: str, raw: str, run_dir: str, output_dir: bool = False) -
     root = Path(run_dir).resolve()
     resolved = Path(raw).resolve()
     if output_dir and resolved == root:
-        return (f"{key}={raw}: that is the run directory {root} itself; an output directory is replaced as a "
-                f"whole, so give a subdirectory of its own (e.g. {key}={Path(raw) / 'out'}).")
+        return (
+            f"{key}={raw}: that is the run directory {root} itself; an output directory is replaced as a "
+            f"whole, so give a subdirectory of its own (e.g. {key}={Path(raw) / 'out'})."
+        )
     if resolved != root and root not in resolved.parents:
-        how = "a symlink leads" if Path(raw).resolve() != Path(raw).absolute() and ".." not in Path(raw).parts \
+        how = (
+            "a symlink leads"
+            if Path(raw).resolve() != Path(raw).absolute() and ".." not in Path(raw).parts
             else "it resolves"
-        return (f"{key}={raw}: {how} outside the run directory {root} (to {resolved}). Keep it inside, or set "
-                "trainer.run_dir to a directory that holds it.")
+        )
+        return (
+            f"{key}={raw}: {how} outside the run directory {root} (to {resolved}). Keep it inside, or set "
+            "trainer.run_dir to a directory that holds it."
+        )
     return None
 
 
-def parallel_problems(cfg: "Config", responses: int) -> list[str]:
+def parallel_problems(cfg: Config, responses: int) -> list[str]:
     """Worker-group settings that cannot work, found before any actor starts."""
     t, problems = cfg.trainer, []
     n, dp = t.num_workers, t.data_parallel_size
     if dp is not None and n % dp:
-        problems.append(f"trainer.data_parallel_size={dp} must divide trainer.num_workers={n} (each replica is "
-                        "sharded over num_workers / data_parallel_size workers); change one of them.")
+        problems.append(
+            f"trainer.data_parallel_size={dp} must divide trainer.num_workers={n} (each replica is "
+            "sharded over num_workers / data_parallel_size workers); change one of them."
+        )
     if t.strategy == "ddp" and dp not in (None, n):
-        problems.append(f"trainer.data_parallel_size={dp}: ddp replicates the model on every worker, so it must "
-                        f"equal trainer.num_workers={n} (or be unset); use trainer.strategy=fsdp to shard.")
+        problems.append(
+            f"trainer.data_parallel_size={dp}: ddp replicates the model on every worker, so it must "
+            f"equal trainer.num_workers={n} (or be unset); use trainer.strategy=fsdp to shard."
+        )
     if t.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        problems.append("trainer.strategy=deepspeed: package `deepspeed` is not installed. Install it with "
-                        "`pip install 'reinforge[gpu]'`, or set trainer.strategy=fsdp (ships with torch).")
+        problems.append(
+            "trainer.strategy=deepspeed: package `deepspeed` is not installed. Install it with "
+            "`pip install 'reinforge[gpu]'`, or set trainer.strategy=fsdp (ships with torch)."
+        )
     if t.strategy == "deepspeed" and n > 1 and t.save_optimizer:
-        problems.append("trainer.strategy=deepspeed with trainer.save_optimizer=true: reinforge does not gather "
-                        "ZeRO-partitioned optimizer state into its checkpoints yet, so an exact resume is not "
-                        "possible. Set trainer.save_optimizer=false (a resume restarts the optimizer state), "
-                        "or use trainer.strategy=fsdp.")
-    if cfg.actor.model.attention_implementation == "flash_attention_2" and \
-            importlib.util.find_spec("flash_attn") is None:
-        problems.append("actor.model.attention_implementation=flash_attention_2: package `flash_attn` is not "
-                        "installed (it needs a CUDA GPU). Install it with `pip install 'reinforge[gpu]'`, or use "
-                        "sdpa.")
+        problems.append(
+            "trainer.strategy=deepspeed with trainer.save_optimizer=true: reinforge does not gather "
+            "ZeRO-partitioned optimizer state into its checkpoints yet, so an exact resume is not "
+            "possible. Set trainer.save_optimizer=false (a resume restarts the optimizer state), "
+            "or use trainer.strategy=fsdp."
+        )
+    if (
+        cfg.actor.model.attention_implementation == "flash_attention_2"
+        and importlib.util.find_spec("flash_attn") is None
+    ):
+        problems.append(
+            "actor.model.attention_implementation=flash_attention_2: package `flash_attn` is not "
+            "installed (it needs a CUDA GPU). Install it with `pip install 'reinforge[gpu]'`, or use "
+            "sdpa."
+        )
     mini = cfg.actor.ppo_mini_batch_size or responses
     if n > 1 and mini % n:
-        problems.append(f"actor.ppo_mini_batch_size={mini}: each of the trainer.num_workers={n} workers takes an "
-                        "equal part of a mini-batch, so it must be a multiple of num_workers.")
+        problems.append(
+            f"actor.ppo_mini_batch_size={mini}: each of the trainer.num_workers={n} workers takes an "
+            "equal part of a mini-batch, so it must be a multiple of num_workers."
+        )
     budget = cfg.actor.ppo_max_token_len_per_worker
     if budget is not None and budget < cfg.actor.model.max_seq_len:
-        problems.append(f"actor.ppo_max_token_len_per_worker={budget} is below actor.model.max_seq_len="
-                        f"{cfg.actor.model.max_seq_len}, so a long response would not fit a micro-batch; raise it.")
+        problems.append(
+            f"actor.ppo_max_token_len_per_worker={budget} is below actor.model.max_seq_len="
+            f"{cfg.actor.model.max_seq_len}, so a long response would not fit a micro-batch; raise it."
+        )
     if t.rollout_placement == "colocate" and (n > 1 or cfg.engine.type != "hf"):
-        problems.append(f"trainer.rollout_placement=colocate shares the policy's parameters with an hf engine in "
-                        f"one worker, but trainer.num_workers={n}, engine.type={cfg.engine.type}; set "
-                        "trainer.rollout_placement=separate (or auto).")
+        problems.append(
+            f"trainer.rollout_placement=colocate shares the policy's parameters with an hf engine in "
+            f"one worker, but trainer.num_workers={n}, engine.type={cfg.engine.type}; set "
+            "trainer.rollout_placement=separate (or auto)."
+        )
     if t.min_workers > n:
         problems.append(f"trainer.min_workers={t.min_workers} is above trainer.num_workers={n}; lower it.")
     return problems
 
 
-def check_combinations(cfg: "Config") -> None:
+def check_combinations(cfg: Config) -> None:
     """Raise one ConfigError listing every impossible combination in `cfg`."""
     from components.plan import resolve_algorithm
 
@@ -104,40 +136,62 @@ def check_combinations(cfg: "Config") -> None:
     except KeyError as exc:
         problems.append(str(exc.args[0]))
     problems += engine_problems(cfg.engine.type)
-    if cfg.trainer.rollout_placement == "colocate" and (cfg.engine.type != "hf" or cfg.engine.num_engines > 1):
-        problems.append(f"trainer.rollout_placement=colocate samples with the policy's own module: one hf engine "
-                        f"(engine.type={cfg.engine.type}, engine.num_engines={cfg.engine.num_engines}). Use "
-                        "trainer.rollout_placement=separate; to share a GPU with the policy set engine.num_gpus to "
-                        "a fraction and engine.sleep_during_update=true.")
+    if cfg.trainer.rollout_placement == "colocate" and (
+        cfg.engine.type != "hf" or cfg.engine.num_engines > 1
+    ):
+        problems.append(
+            f"trainer.rollout_placement=colocate samples with the policy's own module: one hf engine "
+            f"(engine.type={cfg.engine.type}, engine.num_engines={cfg.engine.num_engines}). Use "
+            "trainer.rollout_placement=separate; to share a GPU with the policy set engine.num_gpus to "
+            "a fraction and engine.sleep_during_update=true."
+        )
     if algo is not None and (algo.grouped or algo.dynamic_sampling) and cfg.engine.n < 2:
         what = algo.adv_estimator if algo.grouped else "dynamic sampling"
-        problems.append(f"engine.n={cfg.engine.n}: {what} compares completions of one prompt, "
-                        "so it needs engine.n >= 2.")
+        problems.append(
+            f"engine.n={cfg.engine.n}: {what} compares completions of one prompt, so it needs engine.n >= 2."
+        )
     responses = cfg.data.batch_size * cfg.engine.n
     if responses % cfg.trainer.num_workers:
-        problems.append(f"trainer.num_workers={cfg.trainer.num_workers}: data.batch_size x engine.n = {responses} "
-                        "responses must split evenly across workers; change one of them.")
+        problems.append(
+            f"trainer.num_workers={cfg.trainer.num_workers}: data.batch_size x engine.n = {responses} "
+            "responses must split evenly across workers; change one of them."
+        )
     problems += parallel_problems(cfg, responses)
     mini = cfg.actor.ppo_mini_batch_size
     if mini is not None and responses % mini:
-        problems.append(f"actor.ppo_mini_batch_size={mini} must divide data.batch_size x engine.n = {responses}.")
+        problems.append(
+            f"actor.ppo_mini_batch_size={mini} must divide data.batch_size x engine.n = {responses}."
+        )
     micro = cfg.actor.ppo_micro_batch_size
     if micro is not None and (mini or responses) % micro:
-        problems.append(f"actor.ppo_micro_batch_size={micro} must divide the mini-batch ({mini or responses}).")
+        problems.append(
+            f"actor.ppo_micro_batch_size={micro} must divide the mini-batch ({mini or responses})."
+        )
     mt = cfg.multi_turn
-    if mt.enable and cfg.data.max_prompt_len + mt.max_turns * cfg.engine.max_new_tokens > cfg.actor.model.max_seq_len:
-        problems.append(f"actor.model.max_seq_len={cfg.actor.model.max_seq_len} is shorter than data.max_prompt_len "
-                        f"+ multi_turn.max_turns x engine.max_new_tokens = "
-                        f"{cfg.data.max_prompt_len + mt.max_turns * cfg.engine.max_new_tokens} (tool turns come on "
-                        "top); raise it or shorten those.")
+    if (
+        mt.enable
+        and cfg.data.max_prompt_len + mt.max_turns * cfg.engine.max_new_tokens > cfg.actor.model.max_seq_len
+    ):
+        problems.append(
+            f"actor.model.max_seq_len={cfg.actor.model.max_seq_len} is shorter than data.max_prompt_len "
+            f"+ multi_turn.max_turns x engine.max_new_tokens = "
+            f"{cfg.data.max_prompt_len + mt.max_turns * cfg.engine.max_new_tokens} (tool turns come on "
+            "top); raise it or shorten those."
+        )
     if mt.enable and algo is not None and algo.needs_baseline:
-        problems.append(f"multi_turn.enable=true with algorithm.name={cfg.algorithm.name}: its greedy baseline is "
-                        "decoded in one turn, not with tools; use grpo, rloo or another estimator without it.")
+        problems.append(
+            f"multi_turn.enable=true with algorithm.name={cfg.algorithm.name}: its greedy baseline is "
+            "decoded in one turn, not with tools; use grpo, rloo or another estimator without it."
+        )
     if cfg.data.max_prompt_len + cfg.engine.max_new_tokens > cfg.actor.model.max_seq_len:
-        problems.append(f"actor.model.max_seq_len={cfg.actor.model.max_seq_len} is shorter than "
-                        f"data.max_prompt_len + engine.max_new_tokens = "
-                        f"{cfg.data.max_prompt_len + cfg.engine.max_new_tokens}; raise it or shorten those.")
+        problems.append(
+            f"actor.model.max_seq_len={cfg.actor.model.max_seq_len} is shorter than "
+            f"data.max_prompt_len + engine.max_new_tokens = "
+            f"{cfg.data.max_prompt_len + cfg.engine.max_new_tokens}; raise it or shorten those."
+        )
     if cfg.sft.hidden_size % cfg.sft.num_heads:
-        problems.append(f"sft.num_heads={cfg.sft.num_heads} must divide sft.hidden_size={cfg.sft.hidden_size}.")
+        problems.append(
+            f"sft.num_heads={cfg.sft.num_heads} must divide sft.hidden_size={cfg.sft.hidden_size}."
+        )
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -30,8 +31,10 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
             node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError as exc:
             problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise ConfigError(f"override `{item}`: the value is not valid YAML ({problem}); quote it, or write a "
-                              "list as [a, b] and a mapping as {k: v}") from None
+            raise ConfigError(
+                f"override `{item}`: the value is not valid YAML ({problem}); quote it, or write a "
+                "list as [a, b] and a mapping as {k: v}"
+            ) from None
     return tree
 
 
@@ -48,8 +51,10 @@ def _duplicate_keys(node, path: Path, prefix: str = "") -> None:
             key = key_node.value
             dotted = f"{prefix}.{key}" if prefix else str(key)
             if key in seen:
-                raise ConfigError(f"{path}: key `{dotted}` is set twice (line {seen[key].line + 1} and line "
-                                  f"{key_node.start_mark.line + 1}); keep one of them.")
+                raise ConfigError(
+                    f"{path}: key `{dotted}` is set twice (line {seen[key].line + 1} and line "
+                    f"{key_node.start_mark.line + 1}); keep one of them."
+                )
             seen[key] = key_node.start_mark
             _duplicate_keys(value_node, path, dotted)
     elif isinstance(node, yaml.SequenceNode):
@@ -62,21 +67,26 @@ def read_yaml(path: str | Path, what: str = "config file") -> Any:
     ConfigError naming the file, line and column."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"{what} {p} does not exist; pass --config configs/arith_grpo.yaml or a file "
-                          "of your own")
+        raise ConfigError(
+            f"{what} {p} does not exist; pass --config configs/arith_grpo.yaml or a file of your own"
+        )
     data = p.read_bytes()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = data[:exc.start].count(b"\n") + 1
+        line = data[: exc.start].count(b"\n") + 1
         column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
-        raise ConfigError(f"{p}: line {line}, column {column}: byte {data[exc.start]:#04x} is not UTF-8; save "
-                          "the file as UTF-8.") from None
+        raise ConfigError(
+            f"{p}: line {line}, column {column}: byte {data[exc.start]:#04x} is not UTF-8; save "
+            "the file as UTF-8."
+        ) from None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         if node is None:
-            raise ConfigError(f"{what} {p} is empty; give at least one section (e.g. `trainer:`), or leave "
-                              "--config out to use configs/arith_grpo.yaml.")
+            raise ConfigError(
+                f"{what} {p} is empty; give at least one section (e.g. `trainer:`), or leave "
+                "--config out to use configs/arith_grpo.yaml."
+            )
         _duplicate_keys(node, p)
         return yaml.safe_load(text)
     except yaml.MarkedYAMLError as exc:
@@ -102,8 +112,10 @@ def _rename_aliases(tree: dict[str, Any], where: str) -> dict[str, Any]:
             continue
         value = node.pop(alias)
         if key in node and node[key] != value:
-            raise ConfigError(f"{where}: {section}.{alias}={value!r} and {section}.{key}={node[key]!r} are one key "
-                              f"under two names; set only {section}.{key}.")
+            raise ConfigError(
+                f"{where}: {section}.{alias}={value!r} and {section}.{key}={node[key]!r} are one key "
+                f"under two names; set only {section}.{key}."
+            )
         node[key] = value
     return out
 
@@ -153,7 +165,9 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         raw = read_yaml(path)
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
-    raw = _merge(_rename_aliases(raw, str(path)), _rename_aliases(parse_overrides(overrides), "the overrides"))
+    raw = _merge(
+        _rename_aliases(raw, str(path)), _rename_aliases(parse_overrides(overrides), "the overrides")
+    )
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
@@ -179,7 +193,9 @@ def fingerprint(cfg: Config, **inputs: str) -> str:
     import hashlib
     import json
 
-    return hashlib.sha256(json.dumps([training_keys(cfg), inputs], sort_keys=True, default=str).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps([training_keys(cfg), inputs], sort_keys=True, default=str).encode()
+    ).hexdigest()
 
 
 def flatten(cfg: Config) -> dict[str, Any]:

@@ -21,35 +21,59 @@ class Section(BaseModel):
 class AlgorithmConfig(Section):
     """Keys left as None take the preset's value (components/algorithms/presets.py); any key overrides it."""
 
-    name: str = Field("grpo", description="preset: grpo, ppo, dr_grpo, dapo, rloo, reinforce_plus_plus(_baseline), "
-                                          "remax, gspo")
+    name: str = Field(
+        "grpo",
+        description="preset: grpo, ppo, dr_grpo, dapo, rloo, reinforce_plus_plus(_baseline), remax, gspo",
+    )
     adv_estimator: str | None = Field(None, description="advantage estimator; None = the preset's")
-    norm_adv_by_std: bool | None = Field(None, description="divide GRPO advantages by group std; None = preset")
-    gamma: float | None = Field(None, ge=0, le=1, description="discount for gae / reinforce_plus_plus; None = preset")
+    norm_adv_by_std: bool | None = Field(
+        None, description="divide GRPO advantages by group std; None = preset"
+    )
+    gamma: float | None = Field(
+        None, ge=0, le=1, description="discount for gae / reinforce_plus_plus; None = preset"
+    )
     lam: float | None = Field(None, ge=0, le=1, description="GAE lambda; None = the preset's")
-    policy_loss: str | None = Field(None, description="policy loss: vanilla, gspo, cispo; None = the preset's")
+    policy_loss: str | None = Field(
+        None, description="policy loss: vanilla, gspo, cispo; None = the preset's"
+    )
     loss_agg_mode: str | None = Field(None, description="loss aggregation; None = the preset's")
     clip_epsilon: float = Field(0.2, gt=0, lt=1, description="PPO clip range (verl: clip_ratio_low)")
-    clip_ratio_high: float | None = Field(None, gt=0, description="upper clip (DAPO clip-higher); None = preset")
+    clip_ratio_high: float | None = Field(
+        None, gt=0, description="upper clip (DAPO clip-higher); None = preset"
+    )
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages")
-    use_kl_loss: bool | None = Field(None, description="add kl_loss_coef x KL(pi, pi_ref) to the loss; None = "
-                                                       "on when kl_loss_coef > 0")
-    kl_loss_coef: float = Field(0.0, ge=0, validation_alias=AliasChoices("kl_loss_coef", "beta"),
-                                description="KL-to-reference loss coefficient (TRL: beta; 0 = no reference)")
-    kl_loss_type: str = Field("low_var_kl", description="KL estimator: k1, abs, mse/k2, low_var_kl/k3; `+` = "
-                                                        "straight-through")
+    use_kl_loss: bool | None = Field(
+        None, description="add kl_loss_coef x KL(pi, pi_ref) to the loss; None = on when kl_loss_coef > 0"
+    )
+    kl_loss_coef: float = Field(
+        0.0,
+        ge=0,
+        validation_alias=AliasChoices("kl_loss_coef", "beta"),
+        description="KL-to-reference loss coefficient (TRL: beta; 0 = no reference)",
+    )
+    kl_loss_type: str = Field(
+        "low_var_kl", description="KL estimator: k1, abs, mse/k2, low_var_kl/k3; `+` = straight-through"
+    )
     use_kl_in_reward: bool = Field(False, description="subtract kl_coef x KL(old, ref) from token rewards")
     kl_penalty: str = Field("k1", description="KL estimator for the in-reward penalty")
     kl_ctrl: Literal["fixed", "adaptive"] = Field("fixed", description="in-reward KL coefficient controller")
-    kl_coef: float = Field(0.001, ge=0, description="in-reward KL coefficient (the adaptive controller's start)")
+    kl_coef: float = Field(
+        0.001, ge=0, description="in-reward KL coefficient (the adaptive controller's start)"
+    )
     kl_target: float = Field(0.1, gt=0, description="adaptive controller: target KL per token")
     kl_horizon: int = Field(10000, ge=1, description="adaptive controller: horizon in samples")
     entropy_coeff: float = Field(0.0, ge=0, description="entropy bonus coefficient")
-    dynamic_sampling: bool | None = Field(None, description="DAPO: drop groups with all-equal rewards and refill; "
-                                                            "None = preset")
+    dynamic_sampling: bool | None = Field(
+        None, description="DAPO: drop groups with all-equal rewards and refill; None = preset"
+    )
     max_num_gen_batches: int = Field(3, ge=1, description="dynamic sampling: generation rounds per iteration")
-    overlong_buffer_frac: float | None = Field(None, ge=0, lt=1, description="DAPO overlong penalty over the last "
-                                               "fraction of engine.max_new_tokens (0 = off); None = preset")
+    overlong_buffer_frac: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description="DAPO overlong penalty over the last "
+        "fraction of engine.max_new_tokens (0 = off); None = preset",
+    )
     overlong_penalty_factor: float = Field(1.0, ge=0, description="DAPO overlong penalty at max_new_tokens")
 
     @property
@@ -63,7 +87,8 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype")
     max_seq_len: int = Field(64, gt=0, description="prompt + response token limit")
     attention_implementation: Literal["eager", "sdpa", "flash_attention_2"] = Field(
-        "sdpa", description="attention kernel passed to transformers")
+        "sdpa", description="attention kernel passed to transformers"
+    )
 
 
 class OptimizerConfig(Section):
@@ -78,17 +103,27 @@ class ActorConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="policy model")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="policy optimizer")
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
-    ppo_mini_batch_size: int | None = Field(None, ge=1, description="responses per optimizer step; None = all")
-    ppo_micro_batch_size: int | None = Field(None, ge=1, description="responses per forward pass (grad accumulation)")
-    ppo_max_token_len_per_worker: int | None = Field(None, ge=1, description="pack micro-batches to this many "
-                                                     "padded tokens (rows sorted by length) instead of "
-                                                     "ppo_micro_batch_size rows; None = fixed count")
+    ppo_mini_batch_size: int | None = Field(
+        None, ge=1, description="responses per optimizer step; None = all"
+    )
+    ppo_micro_batch_size: int | None = Field(
+        None, ge=1, description="responses per forward pass (grad accumulation)"
+    )
+    ppo_max_token_len_per_worker: int | None = Field(
+        None,
+        ge=1,
+        description="pack micro-batches to this many "
+        "padded tokens (rows sorted by length) instead of "
+        "ppo_micro_batch_size rows; None = fixed count",
+    )
 
 
 class CriticConfig(Section):
     """The value model PPO (adv_estimator gae) trains beside the actor: the policy's backbone plus a value head."""
 
-    model_path: str | None = Field(None, description="local HF model for the critic's backbone; None = the actor's")
+    model_path: str | None = Field(
+        None, description="local HF model for the critic's backbone; None = the actor's"
+    )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="critic optimizer")
     cliprange_value: float = Field(0.5, gt=0, description="clip of the value change around the old values")
 
@@ -100,19 +135,36 @@ class EngineConfig(Section):
     top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
     n: int = Field(8, ge=1, description="completions sampled per prompt")
     max_new_tokens: int = Field(16, ge=1, description="response length limit")
-    num_engines: int = Field(1, ge=1, description="data-parallel rollout engines (Ray actors); prompts are split "
-                                                  "across them by prompt tokens")
-    health_check: bool = Field(False, description="before each rollout every engine must answer a one-token "
-                                                  "generation within health_check_timeout_s, else it is restarted")
-    health_check_timeout_s: float = Field(60.0, gt=0, description="seconds an engine has to answer its health check")
+    num_engines: int = Field(
+        1,
+        ge=1,
+        description="data-parallel rollout engines (Ray actors); prompts are split "
+        "across them by prompt tokens",
+    )
+    health_check: bool = Field(
+        False,
+        description="before each rollout every engine must answer a one-token "
+        "generation within health_check_timeout_s, else it is restarted",
+    )
+    health_check_timeout_s: float = Field(
+        60.0, gt=0, description="seconds an engine has to answer its health check"
+    )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine (vllm, sglang, trtllm)")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of a GPU an engine may fill with "
-                                                                       "weights and KV cache")
-    num_gpus: float | None = Field(None, ge=0, description="GPUs reserved per engine actor; None = "
-                                                           "tensor_parallel_size (0 for hf); a fraction shares a GPU "
-                                                           "with the policy")
-    sleep_during_update: bool = Field(False, description="free the engine's KV cache (vLLM sleep, SGLang release) "
-                                                         "while the policy updates on the same GPU")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="share of a GPU an engine may fill with weights and KV cache"
+    )
+    num_gpus: float | None = Field(
+        None,
+        ge=0,
+        description="GPUs reserved per engine actor; None = "
+        "tensor_parallel_size (0 for hf); a fraction shares a GPU "
+        "with the policy",
+    )
+    sleep_during_update: bool = Field(
+        False,
+        description="free the engine's KV cache (vLLM sleep, SGLang release) "
+        "while the policy updates on the same GPU",
+    )
 
 
 class RewardModelConfig(Section):
@@ -120,58 +172,86 @@ class RewardModelConfig(Section):
 
     format_score: float = Field(0.0, description="reward for an extracted but wrong answer")
     method: Literal["strict", "flexible"] = Field("strict", description="GSM8K answer extraction")
-    sources: dict[str, str] = Field({}, description="data_source -> scorer name (gsm8k, math, countdown, code), "
-                                                    "overriding the source's built-in scorer")
-    default_scorer: str | None = Field(None, description="scorer for a data_source with no built-in or override; "
-                                                         "None = such a row is an error")
-    path: str | None = Field(None, description="local Hugging Face sequence-classification reward model; "
-                                               "None = rule rewards only")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="reward model weights dtype")
+    sources: dict[str, str] = Field(
+        {},
+        description="data_source -> scorer name (gsm8k, math, countdown, code), "
+        "overriding the source's built-in scorer",
+    )
+    default_scorer: str | None = Field(
+        None,
+        description="scorer for a data_source with no built-in or override; None = such a row is an error",
+    )
+    path: str | None = Field(
+        None, description="local Hugging Face sequence-classification reward model; None = rule rewards only"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="reward model weights dtype"
+    )
     batch_size: int = Field(32, ge=1, description="prompt+response pairs per reward-model forward pass")
-    rule_weight: float = Field(1.0, description="reward = rule_weight x rule score + model_weight x model score")
+    rule_weight: float = Field(
+        1.0, description="reward = rule_weight x rule score + model_weight x model score"
+    )
     model_weight: float = Field(1.0, description="weight of the reward model's score (used when path is set)")
 
     @model_validator(mode="after")
-    def _known_scorers(self) -> "RewardModelConfig":
+    def _known_scorers(self) -> RewardModelConfig:
         from components.rewards.registry import SCORERS
 
-        for key, name in [*(("sources." + k, v) for k, v in self.sources.items()),
-                          ("default_scorer", self.default_scorer)]:
+        for key, name in [
+            *(("sources." + k, v) for k, v in self.sources.items()),
+            ("default_scorer", self.default_scorer),
+        ]:
             if name is not None and name not in SCORERS:
-                raise ValueError(f"reward_model.{key}={name!r}: no such scorer; use one of "
-                                 f"{', '.join(sorted(SCORERS))}")
+                raise ValueError(
+                    f"reward_model.{key}={name!r}: no such scorer; use one of {', '.join(sorted(SCORERS))}"
+                )
         return self
 
 
 class RewardConfig(Section):
     """What a run accepts from its reward functions."""
 
-    max_invalid_frac: float = Field(0.5, ge=0, le=1, description="stop the run when more than this share of an "
-                                                                 "iteration's rewards are invalid (None, NaN, inf)")
+    max_invalid_frac: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="stop the run when more than this share of an "
+        "iteration's rewards are invalid (None, NaN, inf)",
+    )
 
 
 class MultiTurnConfig(Section):
     """Multi-turn rollouts with hermes-style tool calls (components/rollout/multi_turn.py)."""
 
     enable: bool = Field(False, description="let the model call tools between turns")
-    max_turns: int = Field(2, ge=1, description="assistant turns per sample (a call in the last one is not run)")
+    max_turns: int = Field(
+        2, ge=1, description="assistant turns per sample (a call in the last one is not run)"
+    )
     tools: list[str] = Field(["calculator"], description="tools offered: calculator, python (sandboxed)")
-    max_tool_response_chars: int = Field(256, ge=1, description="a tool's output is cut to this many characters")
+    max_tool_response_chars: int = Field(
+        256, ge=1, description="a tool's output is cut to this many characters"
+    )
 
     @model_validator(mode="after")
-    def _known_tools(self) -> "MultiTurnConfig":
+    def _known_tools(self) -> MultiTurnConfig:
         from components.rollout.tools import TOOLS
 
         unknown = [t for t in self.tools if t not in TOOLS]
         if unknown:
-            raise ValueError(f"multi_turn.tools: unknown tool(s) {unknown}; use some of {', '.join(TOOLS.names())}")
+            raise ValueError(
+                f"multi_turn.tools: unknown tool(s) {unknown}; use some of {', '.join(TOOLS.names())}"
+            )
         return self
 
 
 class CustomRewardConfig(Section):
-    path: str | None = Field(None, description="a Python file inside the project whose function scores every row")
-    name: str = Field("compute_score", description="the function's name: (response_text, ground_truth, "
-                                                   "extra_info) -> float or {score, ...}")
+    path: str | None = Field(
+        None, description="a Python file inside the project whose function scores every row"
+    )
+    name: str = Field(
+        "compute_score",
+        description="the function's name: (response_text, ground_truth, extra_info) -> float or {score, ...}",
+    )
 
 
 class SandboxConfig(Section):
@@ -180,33 +260,47 @@ class SandboxConfig(Section):
 
     timeout_s: float = Field(10.0, gt=0, description="wall-clock limit per run; the process group is killed")
     cpu_s: int = Field(5, ge=1, description="CPU-seconds of a run's whole process tree")
-    memory_mb: int = Field(512, ge=64, description="resident memory of a run's whole process tree (and each "
-                                                   "process's address space)")
+    memory_mb: int = Field(
+        512,
+        ge=64,
+        description="resident memory of a run's whole process tree (and each process's address space)",
+    )
     max_processes: int = Field(16, ge=1, description="processes of a run (RLIMIT_NPROC of its own uid)")
     max_open_files: int = Field(64, ge=8, description="open files per process (RLIMIT_NOFILE)")
     max_output_bytes: int = Field(1 << 20, ge=1024, description="stdout/stderr/file size cap (RLIMIT_FSIZE)")
     concurrency: int = Field(2, ge=1, description="sandboxed runs at once")
-    allowed_packages: list[str] = Field([], description="packages code may import besides the standard library "
-                                                        "(mounted read-only from this environment), e.g. [numpy]")
+    allowed_packages: list[str] = Field(
+        [],
+        description="packages code may import besides the standard library "
+        "(mounted read-only from this environment), e.g. [numpy]",
+    )
 
     @model_validator(mode="after")
-    def _installed(self) -> "SandboxConfig":
+    def _installed(self) -> SandboxConfig:
         from components.rewards.sandbox import package_dirs
 
         for name in self.allowed_packages:
             try:
                 package_dirs((name,))
             except KeyError:
-                raise ValueError(f"sandbox.allowed_packages: {name!r} is not installed in this environment, so it "
-                                 "cannot be mounted into the sandbox; install it (pip install) or remove it") from None
+                raise ValueError(
+                    f"sandbox.allowed_packages: {name!r} is not installed in this environment, so it "
+                    "cannot be mounted into the sandbox; install it (pip install) or remove it"
+                ) from None
         return self
 
     def limits(self):
         from components.rewards.sandbox import SandboxLimits
 
-        return SandboxLimits(timeout_s=self.timeout_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb,
-                             max_processes=self.max_processes, max_open_files=self.max_open_files,
-                             max_output_bytes=self.max_output_bytes, allowed_packages=tuple(self.allowed_packages))
+        return SandboxLimits(
+            timeout_s=self.timeout_s,
+            cpu_s=self.cpu_s,
+            memory_mb=self.memory_mb,
+            max_processes=self.max_processes,
+            max_open_files=self.max_open_files,
+            max_output_bytes=self.max_output_bytes,
+            allowed_packages=tuple(self.allowed_packages),
+        )
 
 
 class DataConfig(Section):
@@ -217,25 +311,41 @@ class DataConfig(Section):
     batch_size: int = Field(32, ge=1, description="prompts per RL iteration")
     shuffle: bool = Field(True, description="shuffle prompts each epoch")
     max_prompt_len: int = Field(16, ge=1, description="prompts longer than this (tokens) are quarantined")
-    apply_chat_template: bool | None = Field(None, description="render prompts through the tokenizer's chat "
-                                             "template; None = yes for chat messages, no for plain strings")
-    allow_unk: bool = Field(False, description="keep prompts with characters outside the tokenizer's vocabulary "
-                                               "(they reach the model as its unknown token); false = quarantine")
+    apply_chat_template: bool | None = Field(
+        None,
+        description="render prompts through the tokenizer's chat "
+        "template; None = yes for chat messages, no for plain strings",
+    )
+    allow_unk: bool = Field(
+        False,
+        description="keep prompts with characters outside the tokenizer's vocabulary "
+        "(they reach the model as its unknown token); false = quarantine",
+    )
     num_train: int = Field(4000, ge=1, description="generated training problems")
     num_eval: int = Field(200, ge=1, description="generated held-out problems")
     max_operand: int = Field(99, ge=1, description="largest operand of a generated problem")
     operations: list[Literal["+", "-", "*"]] = Field(["+"], description="operators used by the generator")
-    gsm8k_path: str | None = Field(None, description="local GSM8K jsonl/parquet to import instead (its train split)")
-    gsm8k_test_path: str | None = Field(None, description="local GSM8K test file; None = hold out data.num_eval "
-                                                          "seeded rows of gsm8k_path")
-    task: Literal["arith", "arith_tool"] = Field("arith", description="generated task; arith_tool: SFT answers "
-                                                                       "that call the calculator (multi_turn)")
-    tool_sft_fraction: float = Field(0.5, ge=0, le=1, description="arith_tool: share of SFT answers that call "
-                                                                  "the calculator (the rest answer directly)")
+    gsm8k_path: str | None = Field(
+        None, description="local GSM8K jsonl/parquet to import instead (its train split)"
+    )
+    gsm8k_test_path: str | None = Field(
+        None, description="local GSM8K test file; None = hold out data.num_eval seeded rows of gsm8k_path"
+    )
+    task: Literal["arith", "arith_tool"] = Field(
+        "arith", description="generated task; arith_tool: SFT answers that call the calculator (multi_turn)"
+    )
+    tool_sft_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="arith_tool: share of SFT answers that call the calculator (the rest answer directly)",
+    )
 
 
 class SFTConfig(Section):
-    base_model: str | None = Field(None, description="local HF model to start from; None = build the tiny model")
+    base_model: str | None = Field(
+        None, description="local HF model to start from; None = build the tiny model"
+    )
     output_dir: str = Field("checkpoints/sft", description="where the SFT model is saved (HF format)")
     steps: int = Field(300, ge=0, description="optimizer steps")
     batch_size: int = Field(64, ge=1, description="examples per step")
@@ -252,49 +362,98 @@ class TrainerConfig(Section):
     save_interval: int = Field(20, ge=1, description="checkpoint every N iterations (and at the end)")
     test_interval: int = Field(10, ge=1, description="evaluate every N iterations (and at the end)")
     seed: int = Field(0, description="seed of every RNG")
-    save_optimizer: bool = Field(True, description="store optimizer state in checkpoints (an exact resume needs it)")
-    resume_mode: str = Field("auto", description="auto (continue this configuration's run, or extend it to more "
-                                                 "iterations), disable (a new run from the start), or a checkpoint "
-                                                 "directory")
-    resume_accept_mismatch: bool = Field(False, description="resume_mode=<checkpoint> of another configuration: "
-                                                            "continue it anyway (in a new run directory)")
-    when_finished: Literal["stop", "retrain"] = Field("stop", description="resume_mode=auto when this configuration's "
-                                                      "run already finished trainer.iterations: stop with a message, "
-                                                      "or train a new run from the start (the nightly)")
-    stage_timeout_s: int = Field(1200, ge=1, description="a worker call running longer is killed with every process "
-                                                         "it started, and counts as the worker's death; scoring "
-                                                         "rewards longer stops the run")
-    connect_timeout_s: float = Field(15.0, gt=0, description="seconds Ray (RAY_ADDRESS), MLflow (MLFLOW_TRACKING_URI) "
-                                                             "and Prefect (PREFECT_API_URL) have to answer at start")
-    max_worker_rebuilds: int = Field(3, ge=0, description="times a dead worker group is rebuilt from the last "
-                                                          "checkpoint before the run fails")
-    max_checkpoints_to_keep: int | None = Field(None, ge=1, description="prune all but the newest N (None = keep all)")
+    save_optimizer: bool = Field(
+        True, description="store optimizer state in checkpoints (an exact resume needs it)"
+    )
+    resume_mode: str = Field(
+        "auto",
+        description="auto (continue this configuration's run, or extend it to more "
+        "iterations), disable (a new run from the start), or a checkpoint "
+        "directory",
+    )
+    resume_accept_mismatch: bool = Field(
+        False,
+        description="resume_mode=<checkpoint> of another configuration: "
+        "continue it anyway (in a new run directory)",
+    )
+    when_finished: Literal["stop", "retrain"] = Field(
+        "stop",
+        description="resume_mode=auto when this configuration's "
+        "run already finished trainer.iterations: stop with a message, "
+        "or train a new run from the start (the nightly)",
+    )
+    stage_timeout_s: int = Field(
+        1200,
+        ge=1,
+        description="a worker call running longer is killed with every process "
+        "it started, and counts as the worker's death; scoring "
+        "rewards longer stops the run",
+    )
+    connect_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        description="seconds Ray (RAY_ADDRESS), MLflow (MLFLOW_TRACKING_URI) "
+        "and Prefect (PREFECT_API_URL) have to answer at start",
+    )
+    max_worker_rebuilds: int = Field(
+        3,
+        ge=0,
+        description="times a dead worker group is rebuilt from the last checkpoint before the run fails",
+    )
+    max_checkpoints_to_keep: int | None = Field(
+        None, ge=1, description="prune all but the newest N (None = keep all)"
+    )
     output_dir: str = Field("checkpoints/grpo", description="checkpoints and the final model")
-    run_dir: str = Field(".", description="every data and output path must resolve inside it ('.' = the working "
-                                          "directory); model paths may point anywhere (read only)")
+    run_dir: str = Field(
+        ".",
+        description="every data and output path must resolve inside it ('.' = the working "
+        "directory); model paths may point anywhere (read only)",
+    )
     num_workers: int = Field(1, ge=1, description="policy workers (Ray actors, one torch.distributed group)")
-    strategy: Literal["ddp", "fsdp", "deepspeed"] = Field("ddp", description="how several workers share the update: "
-                                                          "ddp replicas, fsdp shards (FSDP2), deepspeed ZeRO")
-    data_parallel_size: int | None = Field(None, ge=1, description="model replicas; fsdp shards each over "
-                                           "num_workers / this (None: fsdp 1 = full sharding, ddp num_workers)")
+    strategy: Literal["ddp", "fsdp", "deepspeed"] = Field(
+        "ddp",
+        description="how several workers share the update: ddp replicas, fsdp shards (FSDP2), deepspeed ZeRO",
+    )
+    data_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description="model replicas; fsdp shards each over "
+        "num_workers / this (None: fsdp 1 = full sharding, ddp num_workers)",
+    )
     zero_stage: Literal[1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage (trainer.strategy=deepspeed)")
-    worker_resources: dict[str, float] = Field({"CPU": 1.0}, description="Ray resources of each policy worker: "
-                                               "CPU, GPU, or a custom name such as NPU")
-    ref_placement: Literal["colocate", "separate"] = Field("colocate", description="reference policy on the policy "
-                                                           "workers, or in an actor of its own")
+    worker_resources: dict[str, float] = Field(
+        {"CPU": 1.0},
+        description="Ray resources of each policy worker: CPU, GPU, or a custom name such as NPU",
+    )
+    ref_placement: Literal["colocate", "separate"] = Field(
+        "colocate", description="reference policy on the policy workers, or in an actor of its own"
+    )
     rollout_placement: Literal["auto", "colocate", "separate"] = Field(
-        "auto", description="rollout engine inside policy worker 0, sampling with its own parameters (no weight "
-        "copy), or in an actor of its own; auto = colocate with one worker and engine.type=hf")
-    min_workers: int = Field(1, ge=1, description="a rebuilt group may shrink to this many workers when the "
-                                                  "cluster lost resources (the global batch is kept)")
+        "auto",
+        description="rollout engine inside policy worker 0, sampling with its own parameters (no weight "
+        "copy), or in an actor of its own; auto = colocate with one worker and engine.type=hf",
+    )
+    min_workers: int = Field(
+        1,
+        ge=1,
+        description="a rebuilt group may shrink to this many workers when the "
+        "cluster lost resources (the global batch is kept)",
+    )
     grad_compression: Literal["auto", "none", "fp16", "powersgd"] = Field(
-        "auto", description="DDP gradient all-reduce: auto picks from the measured bandwidth")
-    compression_fp16_below_gbps: float = Field(2.0, gt=0, description="auto: fp16 gradients below this all-reduce "
-                                                                      "bandwidth (GB/s)")
-    compression_powersgd_below_gbps: float = Field(0.2, gt=0, description="auto: PowerSGD below this bandwidth "
-                                                                          "(GB/s)")
-    simulated_bandwidth_gbps: float | None = Field(None, gt=0, description="testing: hold the bandwidth measurement "
-                                                   "to this rate, as on a slow link (None = measure as is)")
+        "auto", description="DDP gradient all-reduce: auto picks from the measured bandwidth"
+    )
+    compression_fp16_below_gbps: float = Field(
+        2.0, gt=0, description="auto: fp16 gradients below this all-reduce bandwidth (GB/s)"
+    )
+    compression_powersgd_below_gbps: float = Field(
+        0.2, gt=0, description="auto: PowerSGD below this bandwidth (GB/s)"
+    )
+    simulated_bandwidth_gbps: float | None = Field(
+        None,
+        gt=0,
+        description="testing: hold the bandwidth measurement "
+        "to this rate, as on a slow link (None = measure as is)",
+    )
     num_threads: int = Field(2, ge=1, description="torch threads per worker")
     experiment_name: str = Field("reinforge", description="MLflow experiment")
     eval_k: int = Field(4, ge=1, description="samples per prompt for mean@k / pass@k")
@@ -303,21 +462,34 @@ class TrainerConfig(Section):
 
 
 class MemoryOptimConfig(Section):
-    gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in "
-                                                            "backward (Hugging Face gradient checkpointing)")
-    activation_checkpointing: bool = Field(False, description="the same recomputation, under FSDP's name; "
-                                                              "either key turns it on")
-    param_offload: bool = Field(False, description="fsdp/deepspeed: keep parameters in host memory between uses "
-                                                   "(changes nothing when the workers run on CPU)")
-    optimizer_offload: bool = Field(False, description="fsdp/deepspeed: optimizer state and step in host memory "
-                                                       "(changes nothing when the workers run on CPU)")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="recompute each decoder layer's activations in "
+        "backward (Hugging Face gradient checkpointing)",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="the same recomputation, under FSDP's name; either key turns it on"
+    )
+    param_offload: bool = Field(
+        False,
+        description="fsdp/deepspeed: keep parameters in host memory between uses "
+        "(changes nothing when the workers run on CPU)",
+    )
+    optimizer_offload: bool = Field(
+        False,
+        description="fsdp/deepspeed: optimizer state and step in host memory "
+        "(changes nothing when the workers run on CPU)",
+    )
 
 
 class MixedPrecisionConfig(Section):
     enabled: bool = Field(False, description="autocast the update")
-    dtype: Literal["bf16", "fp16"] = Field("bf16", description="autocast dtype (fsdp: parameter dtype in compute)")
-    loss_scale: Literal["dynamic", "none"] = Field("dynamic", description="fp16: scale the loss (GradScaler) so "
-                                                                          "small gradients do not underflow")
+    dtype: Literal["bf16", "fp16"] = Field(
+        "bf16", description="autocast dtype (fsdp: parameter dtype in compute)"
+    )
+    loss_scale: Literal["dynamic", "none"] = Field(
+        "dynamic", description="fp16: scale the loss (GradScaler) so small gradients do not underflow"
+    )
 
 
 class Config(Section):
@@ -327,18 +499,21 @@ class Config(Section):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="rollout engine")
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="rewards")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="checks on the rewards")
-    custom_reward_function: CustomRewardConfig = Field(default_factory=CustomRewardConfig,
-                                                       description="a user's reward function")
+    custom_reward_function: CustomRewardConfig = Field(
+        default_factory=CustomRewardConfig, description="a user's reward function"
+    )
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="code sandbox limits")
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="tool-calling rollouts")
     data: DataConfig = Field(default_factory=DataConfig, description="datasets")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="supervised warm start")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="loop, seeds, outputs")
     memory_optim: MemoryOptimConfig = Field(default_factory=MemoryOptimConfig, description="memory options")
-    mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig, description="precision")
+    mixed_precision: MixedPrecisionConfig = Field(
+        default_factory=MixedPrecisionConfig, description="precision"
+    )
 
     @model_validator(mode="after")
-    def _combinations(self) -> "Config":
+    def _combinations(self) -> Config:
         from components.config.checks import check_combinations
 
         check_combinations(self)

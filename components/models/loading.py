@@ -47,8 +47,10 @@ def check_model_dir(path: str | Path, key: str, weights: bool = True) -> Path:
     ConfigError naming `key` and the fix otherwise; nothing is loaded."""
     p = Path(path)
     if not (p / "config.json").is_file():
-        raise ConfigError(f"{key}={path}: no Hugging Face model there (config.json missing). Run `reinforge sft` "
-                          "first, or point it at a local model directory; nothing is downloaded.")
+        raise ConfigError(
+            f"{key}={path}: no Hugging Face model there (config.json missing). Run `reinforge sft` "
+            "first, or point it at a local model directory; nothing is downloaded."
+        )
     if not weights:
         return p
     if any((p / name).is_file() for name in SAFE_WEIGHTS) or any(p.glob("model-*.safetensors")):
@@ -58,10 +60,13 @@ def check_model_dir(path: str | Path, key: str, weights: bool = True) -> Path:
         raise ConfigError(
             f"{key}={path}: its weights are only in pickle format ({pickled[0]}); reinforge loads safetensors "
             "only, because unpickling can run code. Convert them once, trusting the file: "
-            f"python -c \"from transformers import AutoModelForCausalLM as M; "
-            f"M.from_pretrained('{p}').save_pretrained('{p}', safe_serialization=True)\"")
-    raise ConfigError(f"{key}={path}: config.json is there but no weights (model.safetensors or "
-                      "model-*.safetensors shards). Copy the weights in, or point it at a complete model directory.")
+            f'python -c "from transformers import AutoModelForCausalLM as M; '
+            f"M.from_pretrained('{p}').save_pretrained('{p}', safe_serialization=True)\""
+        )
+    raise ConfigError(
+        f"{key}={path}: config.json is there but no weights (model.safetensors or "
+        "model-*.safetensors shards). Copy the weights in, or point it at a complete model directory."
+    )
 
 
 def _tokenizer_class(path: Path) -> str | None:
@@ -91,14 +96,17 @@ def check_round_trip(tokenizer: PreTrainedTokenizerBase, path: Path, key: str) -
             raise ConfigError(
                 f"{key}={path}: the tokenizer transformers loads ({type(tokenizer).__name__}) encodes {text!r} "
                 f"differently from the saved tokenizer.json ({got[:12]} vs {want[:12]}), so the model would see "
-                "other text than it was trained on. Set \"tokenizer_class\": \"TokenizersBackend\" in "
-                f"{path / 'tokenizer_config.json'} to load tokenizer.json as saved.")
+                'other text than it was trained on. Set "tokenizer_class": "TokenizersBackend" in '
+                f"{path / 'tokenizer_config.json'} to load tokenizer.json as saved."
+            )
         if unk is not None and unk in got:
             continue
         back = tokenizer.decode(got)
         if back != text and back != reference.decode(want, skip_special_tokens=False):
-            raise ConfigError(f"{key}={path}: the tokenizer decodes {text!r} back as {back!r}; its decoder does "
-                              "not match its encoder. Re-save the tokenizer.")
+            raise ConfigError(
+                f"{key}={path}: the tokenizer decodes {text!r} back as {back!r}; its decoder does "
+                "not match its encoder. Re-save the tokenizer."
+            )
 
 
 def load_tokenizer(path: str | Path, key: str = "actor.model.path") -> PreTrainedTokenizerBase:
@@ -113,8 +121,10 @@ def load_tokenizer(path: str | Path, key: str = "actor.model.path") -> PreTraine
         else:
             tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
     except (OSError, ValueError, TypeError) as exc:
-        raise ConfigError(f"{key}={path}: its tokenizer could not be loaded ({type(exc).__name__}: "
-                          f"{str(exc)[:200]}). Check the tokenizer files in that directory.") from None
+        raise ConfigError(
+            f"{key}={path}: its tokenizer could not be loaded ({type(exc).__name__}: "
+            f"{str(exc)[:200]}). Check the tokenizer files in that directory."
+        ) from None
     check_round_trip(tok, p, key)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
@@ -122,18 +132,32 @@ def load_tokenizer(path: str | Path, key: str = "actor.model.path") -> PreTraine
     return tok
 
 
-def load_model(path: str | Path, dtype: str = "float32", attn: str = "sdpa",
-               key: str = "actor.model.path", safetensors_only: bool = True) -> PreTrainedModel:
+def load_model(
+    path: str | Path,
+    dtype: str = "float32",
+    attn: str = "sdpa",
+    key: str = "actor.model.path",
+    safetensors_only: bool = True,
+) -> PreTrainedModel:
     """A causal LM from local disk only, in `dtype`, with the named attention kernel. Weights load from
     safetensors only (check_model_dir refuses a pickle-only directory with the command that converts it)."""
     p = check_model_dir(path, key, weights=safetensors_only)
-    return AutoModelForCausalLM.from_pretrained(p, dtype=DTYPES[dtype], attn_implementation=attn,
-                                                local_files_only=True,
-                                                use_safetensors=True if safetensors_only else None)
+    return AutoModelForCausalLM.from_pretrained(
+        p,
+        dtype=DTYPES[dtype],
+        attn_implementation=attn,
+        local_files_only=True,
+        use_safetensors=True if safetensors_only else None,
+    )
 
 
-def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: str | Path,
-                    state_dict: dict | None = None, kind: str = MODEL) -> Path:
+def save_pretrained(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out: str | Path,
+    state_dict: dict | None = None,
+    kind: str = MODEL,
+) -> Path:
     """Save model (safetensors) and tokenizer in Hugging Face format, atomically: into a temporary sibling
     directory that replaces `out` only once complete, so a crash never leaves a half-written model.
     `state_dict` (the whole model, gathered from sharded workers) is written instead of the model's own.
@@ -143,8 +167,10 @@ def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and marker_kind(out) != kind)):
-        raise OutputError(f"{out} exists and is not a {kind} reinforge wrote, so it is not replaced; give a new "
-                          "directory, or move it away.")
+        raise OutputError(
+            f"{out} exists and is not a {kind} reinforge wrote, so it is not replaced; give a new "
+            "directory, or move it away."
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp_{out.name}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -17,8 +17,10 @@ PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 # A chat template that joins message contents (a tool's output inside <tool_response> tags): the tiny model has
 # no roles, real models bring their own.
-CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'tool' %}<tool_response>{{ m['content'] }}"
-                 "</tool_response>{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<tool_response>{{ m['content'] }}"
+    "</tool_response>{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+)
 
 
 def build_char_tokenizer(tool_tokens: bool = False) -> PreTrainedTokenizerFast:
@@ -38,14 +40,29 @@ def build_char_tokenizer(tool_tokens: bool = False) -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tiny_model(tokenizer: PreTrainedTokenizerFast, *, hidden_size: int, num_layers: int, num_heads: int,
-                     intermediate_size: int, max_positions: int, seed: int) -> Qwen2ForCausalLM:
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    intermediate_size: int,
+    max_positions: int,
+    seed: int,
+) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2ForCausalLM sized for a 2-core CPU. Seeded: same args, same weights."""
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
-        max_position_embeddings=max_positions, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
         use_cache=True,
     )
     with torch.random.fork_rng(devices=[]):

@@ -34,17 +34,57 @@ from components.rewards.sandbox import Sandbox, SandboxLimits, SessionClosed
 STATUSES = ("ok", "error", "exited", "tampered", "timeout", "memory", "output_limit", "processes")
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.S)
 
-SAFE_CALLS = {"abs": abs, "len": len, "round": round, "sorted": sorted, "set": set, "list": list, "tuple": tuple,
-              "min": min, "max": max, "sum": sum, "all": all, "any": any, "int": int, "float": float, "str": str,
-              "bool": bool, "dict": dict, "frozenset": frozenset}
-SAFE_MATH = {"isclose": math.isclose, "sqrt": math.sqrt, "floor": math.floor, "ceil": math.ceil,
-             "fabs": math.fabs, "isnan": math.isnan, "isinf": math.isinf}
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+SAFE_CALLS = {
+    "abs": abs,
+    "len": len,
+    "round": round,
+    "sorted": sorted,
+    "set": set,
+    "list": list,
+    "tuple": tuple,
+    "min": min,
+    "max": max,
+    "sum": sum,
+    "all": all,
+    "any": any,
+    "int": int,
+    "float": float,
+    "str": str,
+    "bool": bool,
+    "dict": dict,
+    "frozenset": frozenset,
+}
+SAFE_MATH = {
+    "isclose": math.isclose,
+    "sqrt": math.sqrt,
+    "floor": math.floor,
+    "ceil": math.ceil,
+    "fabs": math.fabs,
+    "isnan": math.isnan,
+    "isinf": math.isinf,
+}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Not: operator.not_}
-_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
-            ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
-            ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
+_COMPARE = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+    ast.Is: operator.is_,
+    ast.IsNot: operator.is_not,
+}
 MAX_SIZE = 1 << 20  # the largest sequence or exponent the host builds while evaluating a test
 
 
@@ -82,9 +122,11 @@ def parse_test(test: str) -> ast.expr:
         return body[0].test
     if len(body) == 1 and isinstance(body[0], ast.Expr):
         return body[0].value
-    raise Unsupported(f"code reward: test {test!r} is not one `assert <expression>`; the tests are evaluated "
-                      "outside the solution's process, over calls of its functions, literals, arithmetic, "
-                      "comparisons and len/abs/sorted/... (components/rewards/code_exec.py)")
+    raise Unsupported(
+        f"code reward: test {test!r} is not one `assert <expression>`; the tests are evaluated "
+        "outside the solution's process, over calls of its functions, literals, arithmetic, "
+        "comparisons and len/abs/sorted/... (components/rewards/code_exec.py)"
+    )
 
 
 def _bounded(value):
@@ -102,8 +144,9 @@ class Evaluator:
     def __call__(self, node: ast.AST):
         method = getattr(self, f"_{type(node).__name__}", None)
         if method is None:
-            raise Unsupported(f"code reward: `{ast.unparse(node)}` ({type(node).__name__}) is outside what tests "
-                              "may use")
+            raise Unsupported(
+                f"code reward: `{ast.unparse(node)}` ({type(node).__name__}) is outside what tests may use"
+            )
         return _bounded(method(node))
 
     def _Constant(self, node):
@@ -130,11 +173,18 @@ class Evaluator:
         if type(node.op) not in _BINARY:
             raise Unsupported(f"code reward: operator in `{ast.unparse(node)}`")
         left, right = self(node.left), self(node.right)
-        if isinstance(node.op, ast.Pow) and isinstance(right, (int, float)) and abs(right) > 64 and \
-                not (isinstance(left, (int, float)) and abs(left) <= 1):
+        if (
+            isinstance(node.op, ast.Pow)
+            and isinstance(right, (int, float))
+            and abs(right) > 64
+            and not (isinstance(left, (int, float)) and abs(left) <= 1)
+        ):
             raise _Failed("an exponent too large to evaluate")
-        if isinstance(node.op, ast.Mult) and any(isinstance(v, int) and v > MAX_SIZE for v in (left, right)) \
-                and any(isinstance(v, (str, list, tuple, bytes)) for v in (left, right)):
+        if (
+            isinstance(node.op, ast.Mult)
+            and any(isinstance(v, int) and v > MAX_SIZE for v in (left, right))
+            and any(isinstance(v, (str, list, tuple, bytes)) for v in (left, right))
+        ):
             raise _Failed("a repetition too large to evaluate")
         return _BINARY[type(node.op)](left, right)
 
@@ -167,11 +217,17 @@ class Evaluator:
         if len(kwargs) != len(node.keywords) or any(isinstance(a, ast.Starred) for a in node.args):
             raise Unsupported(f"code reward: `{ast.unparse(node)}` unpacks arguments")
         func = node.func
-        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "math" \
-                and func.attr in SAFE_MATH:
+        if (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and func.value.id == "math"
+            and func.attr in SAFE_MATH
+        ):
             return SAFE_MATH[func.attr](*args, **kwargs)
         if not isinstance(func, ast.Name):
-            raise Unsupported(f"code reward: `{ast.unparse(node)}` calls something other than a function by name")
+            raise Unsupported(
+                f"code reward: `{ast.unparse(node)}` calls something other than a function by name"
+            )
         if func.id in SAFE_CALLS:
             return SAFE_CALLS[func.id](*args, **kwargs)
         kind, value = self.call(func.id, args, kwargs)  # the solution's function, in the sandbox
@@ -190,8 +246,10 @@ def tests_of(ground_truth, extra_info: dict | None) -> list[str]:
     tests = (extra_info or {}).get("tests") or ground_truth
     tests = json.loads(tests) if isinstance(tests, str) else tests
     if not isinstance(tests, list) or not all(isinstance(t, str) for t in tests):
-        raise ValueError("code reward: ground_truth (or extra_info['tests']) must be a JSON list of test "
-                         f"statements such as [\"assert f(1) == 2\"], got {str(ground_truth)[:80]!r}")
+        raise ValueError(
+            "code reward: ground_truth (or extra_info['tests']) must be a JSON list of test "
+            f'statements such as ["assert f(1) == 2"], got {str(ground_truth)[:80]!r}'
+        )
     return tests
 
 
@@ -223,10 +281,19 @@ def run_tests(code: str, tests: list[str], sandbox: Sandbox) -> tuple[list[bool]
     return passed, status
 
 
-def score(response_text: str, ground_truth, extra_info: dict | None = None, *,
-          limits: SandboxLimits = SandboxLimits(), concurrency: int = 2) -> dict[str, float]:
+def score(
+    response_text: str,
+    ground_truth,
+    extra_info: dict | None = None,
+    *,
+    limits: SandboxLimits = SandboxLimits(),
+    concurrency: int = 2,
+) -> dict[str, float]:
     """{"score": fraction of tests passed, "passed": count, "status/<s>": 1.0 for how the run ended, else 0}."""
     tests = tests_of(ground_truth, extra_info)
     passed, status = run_tests(extract_code(response_text), tests, sandbox_for(limits, concurrency))
-    return {"score": sum(passed) / max(len(tests), 1), "passed": float(sum(passed)),
-            **{f"status/{s}": float(s == status) for s in STATUSES}}
+    return {
+        "score": sum(passed) / max(len(tests), 1),
+        "passed": float(sum(passed)),
+        **{f"status/{s}": float(s == status) for s in STATUSES},
+    }

@@ -14,8 +14,12 @@ from fractions import Fraction
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 _EQUATION_TAIL = re.compile(r"[\d\s+\-*/()]+$")
-_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-        ast.Div: lambda a, b: a / b}
+_OPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+}
 MAX_CHARS = 200  # longer "equations" are not parsed
 
 
@@ -78,7 +82,9 @@ def _parse_truth(ground_truth, extra_info: dict | None) -> tuple[int, list[int]]
     return int(truth["target"]), [int(x) for x in truth["numbers"]]
 
 
-def score(response_text: str, ground_truth, extra_info: dict | None = None, *, format_score: float = 0.1) -> float:
+def score(
+    response_text: str, ground_truth, extra_info: dict | None = None, *, format_score: float = 0.1
+) -> float:
     """1.0 for a correct equation, format_score for a well-formed but wrong one (wrong value, a number reused
     or missing, a disallowed token), 0.0 when no equation is found.
 

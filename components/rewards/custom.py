@@ -36,11 +36,15 @@ def load_custom_reward(path: str, name: str):
     loaded once per file content."""
     root, file = Path.cwd().resolve(), Path(path).resolve()
     if root not in file.parents:
-        raise ConfigError(f"custom_reward_function.path={path}: resolves to {file}, outside the project "
-                          f"{root}. Put the file inside the project and give its relative path.")
+        raise ConfigError(
+            f"custom_reward_function.path={path}: resolves to {file}, outside the project "
+            f"{root}. Put the file inside the project and give its relative path."
+        )
     if not file.is_file() or file.suffix != ".py":
-        raise ConfigError(f"custom_reward_function.path={path}: no Python file there. Give the path of a .py "
-                          "file that defines the reward function.")
+        raise ConfigError(
+            f"custom_reward_function.path={path}: no Python file there. Give the path of a .py "
+            "file that defines the reward function."
+        )
     stat = file.stat()
     return _load(path, file, name, stat.st_mtime_ns, stat.st_size)
 
@@ -53,19 +57,25 @@ def _load(path: str, file: Path, name: str, _mtime_ns: int, _size: int):
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
-        raise ConfigError(f"custom_reward_function.path={path}: loading it failed at {_line_in(exc, file)}: "
-                          f"{type(exc).__name__}: {exc}. Fix the file.") from exc
+        raise ConfigError(
+            f"custom_reward_function.path={path}: loading it failed at {_line_in(exc, file)}: "
+            f"{type(exc).__name__}: {exc}. Fix the file."
+        ) from exc
     fn = getattr(module, name, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise ConfigError(f"custom_reward_function.name={name}: {path} defines no function {name!r} (it has: "
-                          f"{', '.join(found) or 'none'}). Set custom_reward_function.name to one of them.")
+        raise ConfigError(
+            f"custom_reward_function.name={name}: {path} defines no function {name!r} (it has: "
+            f"{', '.join(found) or 'none'}). Set custom_reward_function.name to one of them."
+        )
     try:
         inspect.signature(fn).bind("response", "ground truth", {})
     except TypeError as exc:
-        raise ConfigError(f"custom_reward_function.name={name}: {path} defines {name}{inspect.signature(fn)}, but a "
-                          f"reward function is called as {name}(response_text, ground_truth, extra_info) ({exc}). "
-                          "Give it those three parameters.") from None
+        raise ConfigError(
+            f"custom_reward_function.name={name}: {path} defines {name}{inspect.signature(fn)}, but a "
+            f"reward function is called as {name}(response_text, ground_truth, extra_info) ({exc}). "
+            "Give it those three parameters."
+        ) from None
     except ValueError:  # no signature to read (a builtin): it is called and checked at the first batch
         pass
     sys.modules[module_name] = module

@@ -30,8 +30,15 @@ def extract_answer(text: str, method: str = "strict") -> str | None:
     return None
 
 
-def score(response_text: str, ground_truth: str, extra_info: dict | None = None, *, method: str = "strict",
-          format_score: float = 0.0, correct_score: float = 1.0) -> float:
+def score(
+    response_text: str,
+    ground_truth: str,
+    extra_info: dict | None = None,
+    *,
+    method: str = "strict",
+    format_score: float = 0.0,
+    correct_score: float = 1.0,
+) -> float:
     """1.0 for an exact match, format_score for an extracted but wrong answer, 0.0 when nothing is extracted.
 
     >>> score("#### 46", "46")

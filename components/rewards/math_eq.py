@@ -57,8 +57,9 @@ def is_equivalent(answer: str, ground_truth: str) -> bool:
     return bool(gold and pred and verify(gold, pred, timeout_seconds=timeout))
 
 
-def score(response_text: str, ground_truth: str, extra_info: dict | None = None, *,
-          format_score: float = 0.0) -> float:
+def score(
+    response_text: str, ground_truth: str, extra_info: dict | None = None, *, format_score: float = 0.0
+) -> float:
     """1.0 when the last boxed answer equals the ground truth, format_score when boxed but wrong, else 0.0.
 
     >>> score("The answer is \\\\boxed{\\\\dfrac{1}{2}}", "0.5")

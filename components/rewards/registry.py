@@ -9,9 +9,10 @@ REWARDS[data_source] (the built-in default of a source), `reward_model.default_s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from components.errors import RewardError
 from components.rewards import countdown, gsm8k
@@ -22,21 +23,21 @@ if TYPE_CHECKING:
 Scorer = Callable[..., "float | dict[str, float]"]
 
 
-def _gsm8k(cfg: "Config") -> Scorer:
+def _gsm8k(cfg: Config) -> Scorer:
     return partial(gsm8k.score, method=cfg.reward_model.method, format_score=cfg.reward_model.format_score)
 
 
-def _math(cfg: "Config") -> Scorer:
+def _math(cfg: Config) -> Scorer:
     from components.rewards import math_eq  # sympy and math-verify load only when a source needs them
 
     return partial(math_eq.score, format_score=cfg.reward_model.format_score)
 
 
-def _countdown(cfg: "Config") -> Scorer:
+def _countdown(cfg: Config) -> Scorer:
     return partial(countdown.score, format_score=cfg.reward_model.format_score or 0.1)
 
 
-def _code(cfg: "Config") -> Scorer:
+def _code(cfg: Config) -> Scorer:
     from components.rewards import code_exec
     from components.rewards.sandbox import bwrap_path
 
@@ -47,19 +48,27 @@ def _code(cfg: "Config") -> Scorer:
 
 
 # scorer name -> factory(config) -> scorer; `reward_model.sources` and `default_scorer` name these.
-SCORERS: dict[str, Callable[["Config"], Scorer]] = {
-    "gsm8k": _gsm8k, "math": _math, "countdown": _countdown, "code": _code,
+SCORERS: dict[str, Callable[[Config], Scorer]] = {
+    "gsm8k": _gsm8k,
+    "math": _math,
+    "countdown": _countdown,
+    "code": _code,
 }
 
 # data_source -> factory(config) -> scorer: the built-in default of each known source.
-REWARDS: dict[str, Callable[["Config"], Scorer]] = {
-    "arith": _gsm8k, "arith_tool": _gsm8k, "openai/gsm8k": _gsm8k,
-    "lighteval/MATH": _math, "DigitalLearningGmbH/MATH-lighteval": _math, "math": _math,
-    "countdown": _countdown, "code": _code,
+REWARDS: dict[str, Callable[[Config], Scorer]] = {
+    "arith": _gsm8k,
+    "arith_tool": _gsm8k,
+    "openai/gsm8k": _gsm8k,
+    "lighteval/MATH": _math,
+    "DigitalLearningGmbH/MATH-lighteval": _math,
+    "math": _math,
+    "countdown": _countdown,
+    "code": _code,
 }
 
 
-def scorer_for(data_source: str, cfg: "Config") -> Scorer:
+def scorer_for(data_source: str, cfg: Config) -> Scorer:
     rm = cfg.reward_model
     if cfg.custom_reward_function.path:
         from components.rewards.custom import load_custom_reward
@@ -68,20 +77,24 @@ def scorer_for(data_source: str, cfg: "Config") -> Scorer:
     if data_source in rm.sources:
         name = rm.sources[data_source]
         if name not in SCORERS:
-            raise KeyError(f"reward_model.sources.{data_source}={name!r}: no such scorer; known: "
-                           f"{', '.join(sorted(SCORERS))}. Fix the name or register the scorer in SCORERS.")
+            raise KeyError(
+                f"reward_model.sources.{data_source}={name!r}: no such scorer; known: "
+                f"{', '.join(sorted(SCORERS))}. Fix the name or register the scorer in SCORERS."
+            )
         return SCORERS[name](cfg)
     if data_source in REWARDS:
         return REWARDS[data_source](cfg)
     if rm.default_scorer is not None:
         return SCORERS[rm.default_scorer](cfg)
-    raise KeyError(f"data_source={data_source!r}: no reward scorer registered; known sources: "
-                   f"{', '.join(sorted(REWARDS))}. Map it with reward_model.sources.{data_source}=<scorer> "
-                   f"(scorers: {', '.join(sorted(SCORERS))}), set reward_model.default_scorer, or register "
-                   "it in components/rewards/registry.py.")
+    raise KeyError(
+        f"data_source={data_source!r}: no reward scorer registered; known sources: "
+        f"{', '.join(sorted(REWARDS))}. Map it with reward_model.sources.{data_source}=<scorer> "
+        f"(scorers: {', '.join(sorted(SCORERS))}), set reward_model.default_scorer, or register "
+        "it in components/rewards/registry.py."
+    )
 
 
-def scorers_for(data_sources: list[str], cfg: "Config") -> dict[str, Scorer]:
+def scorers_for(data_sources: list[str], cfg: Config) -> dict[str, Scorer]:
     """The scorer of each distinct data_source (KeyError naming an unregistered one)."""
     return {source: scorer_for(source, cfg) for source in dict.fromkeys(data_sources)}
 
@@ -101,28 +114,52 @@ def _split(value, fn, i: int, source: str, text: str) -> tuple[object, dict[str,
     the type: training on it would learn nothing."""
     score, subs = value, {}
     if isinstance(value, dict):
-        subs = {k: float(v) for k, v in value.items() if k != "score" and isinstance(v, (int, float))
-                and not isinstance(v, bool)}
+        subs = {
+            k: float(v)
+            for k, v in value.items()
+            if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         score = value.get("score")
     if score is not None and (isinstance(score, bool) or not isinstance(score, (int, float))):
-        what = "a dict without a numeric 'score'" if isinstance(value, dict) else \
-            f"{type(score).__name__} {repr(score)[:40]}"
-        raise RewardError(f"reward function {scorer_name(fn)} returned {what} for sample {i} (data_source "
-                          f"{source!r}, response {text[:60]!r}); a reward is an int or float (or a dict with a "
-                          "numeric 'score'), None or NaN for 'cannot score'. Return float(...).")
+        what = (
+            "a dict without a numeric 'score'"
+            if isinstance(value, dict)
+            else f"{type(score).__name__} {repr(score)[:40]}"
+        )
+        raise RewardError(
+            f"reward function {scorer_name(fn)} returned {what} for sample {i} (data_source "
+            f"{source!r}, response {text[:60]!r}); a reward is an int or float (or a dict with a "
+            "numeric 'score'), None or NaN for 'cannot score'. Return float(...)."
+        )
     return score, subs
 
 
-def score_with_config(texts: list[str], ground_truths: list[str], data_sources: list[str], extra_infos: list[dict],
-                      cfg: "Config") -> tuple[list[float], list[bool], dict[str, list[float]]]:
+def score_with_config(
+    texts: list[str],
+    ground_truths: list[str],
+    data_sources: list[str],
+    extra_infos: list[dict],
+    cfg: Config,
+) -> tuple[list[float], list[bool], dict[str, list[float]]]:
     """score_batch with the scorers the config gives each data_source (for a one-off scoring in this process)."""
-    return score_batch(texts, ground_truths, data_sources, extra_infos, scorers_for(data_sources, cfg),
-                       cfg.sandbox.concurrency)
+    return score_batch(
+        texts,
+        ground_truths,
+        data_sources,
+        extra_infos,
+        scorers_for(data_sources, cfg),
+        cfg.sandbox.concurrency,
+    )
 
 
-def score_batch(texts: list[str], ground_truths: list[str], data_sources: list[str], extra_infos: list[dict],
-                scorers: dict[str, Scorer], concurrency: int = 2
-                ) -> tuple[list[float], list[bool], dict[str, list[float]]]:
+def score_batch(
+    texts: list[str],
+    ground_truths: list[str],
+    data_sources: list[str],
+    extra_infos: list[dict],
+    scorers: dict[str, Scorer],
+    concurrency: int = 2,
+) -> tuple[list[float], list[bool], dict[str, list[float]]]:
     """Scores per response, whether each is valid, and the sub-scores (name -> per-row values, NaN where a
     row's scorer did not report that name). Invalid scores (None, NaN, inf) count as 0 and as invalid; a
     score of the wrong type (a bool, a string, a list) is a RewardError.
@@ -138,8 +175,10 @@ def score_batch(texts: list[str], ground_truths: list[str], data_sources: list[s
         try:
             value = fn(texts[i], ground_truths[i], extra_infos[i])
         except Exception as exc:
-            raise RewardError(f"reward scorer {scorer_name(fn)} for data_source={source!r} failed on sample {i} "
-                              f"(response {texts[i][:80]!r}, ground truth {ground_truths[i]!r}): {exc!r}") from exc
+            raise RewardError(
+                f"reward scorer {scorer_name(fn)} for data_source={source!r} failed on sample {i} "
+                f"(response {texts[i][:80]!r}, ground truth {ground_truths[i]!r}): {exc!r}"
+            ) from exc
         return _split(value, fn, i, source, texts[i])
 
     parallel = [i for i, s in enumerate(data_sources) if getattr(cache[s], "concurrent", False)]

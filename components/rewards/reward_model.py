@@ -25,11 +25,14 @@ def load_reward_model(path: str, dtype: str = "float32", key: str = "reward_mode
     tokenizer = load_tokenizer(path, key)
     tokenizer.padding_side = "right"  # positions start at 0 for every text; the score is read at its end
     check_model_dir(path, key)
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True,
-                                                               use_safetensors=True)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, dtype=DTYPES[dtype], local_files_only=True, use_safetensors=True
+    )
     if model.config.num_labels != 1:
-        raise ConfigError(f"{key}={path}: a reward model has one output (num_labels=1), this one has "
-                          f"{model.config.num_labels}. Point it at a reward model.")
+        raise ConfigError(
+            f"{key}={path}: a reward model has one output (num_labels=1), this one has "
+            f"{model.config.num_labels}. Point it at a reward model."
+        )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id  # the score is read at the last non-pad token
     return tokenizer, model.eval()
@@ -38,8 +41,14 @@ def load_reward_model(path: str, dtype: str = "float32", key: str = "reward_mode
 class RewardModelScorer:
     """Scores prompt + response texts with a reward model, `batch_size` texts per forward pass."""
 
-    def __init__(self, path: str, dtype: str = "float32", batch_size: int = 32, num_threads: int = 1,
-                 max_length: int = 1024):
+    def __init__(
+        self,
+        path: str,
+        dtype: str = "float32",
+        batch_size: int = 32,
+        num_threads: int = 1,
+        max_length: int = 1024,
+    ):
         torch.set_num_threads(num_threads)
         self.tokenizer, self.model = load_reward_model(path, dtype)
         self.batch_size, self.max_length = batch_size, max_length
@@ -54,8 +63,14 @@ class RewardModelScorer:
         texts = [p + r for p, r in zip(prompts, responses)]
         out: list[float] = []
         for start in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
-                                 truncation=True, max_length=self.max_length, add_special_tokens=False)
+            enc = self.tokenizer(
+                texts[start : start + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+                add_special_tokens=False,
+            )
             out += self.model(**enc).logits[:, 0].float().tolist()
         return out
 
@@ -64,16 +79,25 @@ def wrong_answers(truth: int, rng: random.Random) -> list[str]:
     """Kinds of wrong response a policy produces: a near miss, a far miss, swapped or dropped digits, an extra
     digit, a missing `####`."""
     near = truth + rng.choice([d for d in range(-10, 11) if d])
-    far = rng.choice([v for v in (rng.randint(0, 2 * truth + 20) for _ in range(4)) if v != truth] or [truth + 11])
+    far = rng.choice(
+        [v for v in (rng.randint(0, 2 * truth + 20) for _ in range(4)) if v != truth] or [truth + 11]
+    )
     digits = str(abs(truth))
     swapped = int(digits[::-1]) if len(digits) > 1 and digits != digits[::-1] else truth + 1
     dropped = int(digits[:-1]) if len(digits) > 1 else truth + 2
-    return [f"#### {near}", f"#### {far}", f"#### {swapped}", f"#### {dropped}", f"#### {truth}{rng.randint(0, 9)}",
-            f"{truth}"]
+    return [
+        f"#### {near}",
+        f"#### {far}",
+        f"#### {swapped}",
+        f"#### {dropped}",
+        f"#### {truth}{rng.randint(0, 9)}",
+        f"{truth}",
+    ]
 
 
-def arith_preference_pairs(rows: list[dict], tokenizer, seed: int, per_row: int = 2,
-                           settings: PromptSettings = PromptSettings()) -> list[tuple[str, str, str]]:
+def arith_preference_pairs(
+    rows: list[dict], tokenizer, seed: int, per_row: int = 2, settings: PromptSettings = PromptSettings()
+) -> list[tuple[str, str, str]]:
     """(prompt text as the policy sees it, chosen, rejected): the right answer against `per_row` wrong ones of
     different kinds."""
     rng = random.Random(seed)
@@ -86,8 +110,17 @@ def arith_preference_pairs(rows: list[dict], tokenizer, seed: int, per_row: int 
     return pairs
 
 
-def train_reward_model(init_path: str, pairs: list[tuple[str, str, str]], out: str | Path, *, steps: int,
-                       batch_size: int, lr: float, seed: int, on_step=None) -> dict[str, float]:
+def train_reward_model(
+    init_path: str,
+    pairs: list[tuple[str, str, str]],
+    out: str | Path,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    on_step=None,
+) -> dict[str, float]:
     """Fit a one-output sequence classifier (backbone from the causal LM at init_path) on the pairs; save it in
     Hugging Face format to `out`. Returns the final loss and the pair accuracy on the training pairs."""
     from transformers import AutoModelForSequenceClassification
@@ -99,8 +132,9 @@ def train_reward_model(init_path: str, pairs: list[tuple[str, str, str]], out: s
     tokenizer = load_tokenizer(init_path, "reward_model.init_path")
     tokenizer.padding_side = "right"
     check_model_dir(init_path, "sft.output_dir")
-    model = AutoModelForSequenceClassification.from_pretrained(init_path, num_labels=1, local_files_only=True,
-                                                               use_safetensors=True)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        init_path, num_labels=1, local_files_only=True, use_safetensors=True
+    )
     model.config.pad_token_id = tokenizer.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
@@ -131,7 +165,7 @@ def pair_accuracy(model, tokenizer, pairs: list[tuple[str, str, str]], batch_siz
     """The fraction of pairs whose chosen response the model scores above the rejected one."""
     right = 0
     for start in range(0, len(pairs), batch_size):
-        chunk = pairs[start:start + batch_size]
+        chunk = pairs[start : start + batch_size]
         enc = lambda texts: tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)  # noqa
         c = model(**enc([p + c for p, c, _ in chunk])).logits[:, 0]
         r = model(**enc([p + r for p, _, r in chunk])).logits[:, 0]

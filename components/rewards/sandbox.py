@@ -43,8 +43,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: `apt-get install -y bubblewrap`; Fedora: `dnf install "
-                "bubblewrap`), or do not use the code reward")
+INSTALL_HINT = (
+    "install bubblewrap (Debian/Ubuntu: `apt-get install -y bubblewrap`; Fedora: `dnf install "
+    "bubblewrap`), or do not use the code reward"
+)
 ENV_ALLOW = ("LANG", "LC_ALL")  # the only variables copied from the parent; everything else is cleared
 SLOT_UID_BASE = 60000  # leased uids: SLOT_UID_BASE .. SLOT_UID_BASE + UID_RANGE - 1
 UID_RANGE = 1024
@@ -66,7 +68,9 @@ class SandboxLimits:
     max_open_files: int = 64  # RLIMIT_NOFILE
     max_output_bytes: int = 1 << 20  # RLIMIT_FSIZE: stdout, stderr and any file written in /tmp
     tmp_mb: int = 64  # size of the private tmpfs
-    allowed_packages: tuple[str, ...] = ()  # importable besides the standard library (sandbox.allowed_packages)
+    allowed_packages: tuple[
+        str, ...
+    ] = ()  # importable besides the standard library (sandbox.allowed_packages)
 
 
 @dataclass
@@ -83,7 +87,9 @@ class SandboxResult:
 def bwrap_path() -> str:
     path = shutil.which("bwrap")
     if path is None:
-        raise SandboxUnavailable(f"the code sandbox needs bubblewrap (`bwrap` is not on PATH): {INSTALL_HINT}")
+        raise SandboxUnavailable(
+            f"the code sandbox needs bubblewrap (`bwrap` is not on PATH): {INSTALL_HINT}"
+        )
     return path
 
 
@@ -105,7 +111,9 @@ def _hidden_dirs() -> list[str]:
     found |= {str(p) for p in Path("/usr/lib").glob("python3*/site-packages")}
     base = os.path.realpath(sys.base_prefix)
     mounted = ("/usr", "/lib", base)
-    return sorted(p for p in found if os.path.isdir(p) and any(os.path.realpath(p).startswith(m) for m in mounted))
+    return sorted(
+        p for p in found if os.path.isdir(p) and any(os.path.realpath(p).startswith(m) for m in mounted)
+    )
 
 
 def package_dirs(names: tuple[str, ...]) -> dict[str, str]:
@@ -127,8 +135,9 @@ def package_dirs(names: tuple[str, ...]) -> dict[str, str]:
 def _ro_binds(allowed: tuple[str, ...]) -> list[str]:
     """Read-only mounts: the system libraries and the interpreter's prefix, package directories hidden, the
     allowed packages under PACKAGES_DIR."""
-    paths = list(dict.fromkeys(["/usr", "/lib", "/lib64", "/bin", sys.base_prefix,
-                                os.path.dirname(_interpreter())]))
+    paths = list(
+        dict.fromkeys(["/usr", "/lib", "/lib64", "/bin", sys.base_prefix, os.path.dirname(_interpreter())])
+    )
     parents: list[str] = []  # e.g. /root for a pyenv interpreter: made traversable (and empty) in the sandbox
     for path in paths:
         parent = os.path.dirname(path)
@@ -142,7 +151,16 @@ def _ro_binds(allowed: tuple[str, ...]) -> list[str]:
     for hidden in _hidden_dirs():
         args += ["--tmpfs", hidden, "--remount-ro", hidden]
     if allowed:
-        args += ["--perms", "0755", "--dir", os.path.dirname(PACKAGES_DIR), "--perms", "0755", "--dir", PACKAGES_DIR]
+        args += [
+            "--perms",
+            "0755",
+            "--dir",
+            os.path.dirname(PACKAGES_DIR),
+            "--perms",
+            "0755",
+            "--dir",
+            PACKAGES_DIR,
+        ]
     for name, path in package_dirs(allowed).items():
         args += ["--ro-bind", path, f"{PACKAGES_DIR}/{name}"]
     return args
@@ -235,19 +253,59 @@ class Sandbox:
         ns = ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
         if not self.as_root:
             ns = ["--unshare-all"]  # includes the user namespace an unprivileged bwrap needs
-        env = ["--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
-               "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "PYTHONHASHSEED", "0"]
+        env = [
+            "--clearenv",
+            "--setenv",
+            "PATH",
+            "/usr/bin:/bin",
+            "--setenv",
+            "HOME",
+            "/tmp",
+            "--setenv",
+            "PYTHONDONTWRITEBYTECODE",
+            "1",
+            "--setenv",
+            "PYTHONHASHSEED",
+            "0",
+        ]
         for key in ENV_ALLOW:
             if key in os.environ:
                 env += ["--setenv", key, os.environ[key]]
         caps = ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if self.as_root else []
-        return [self.bwrap, *ns, "--die-with-parent", "--new-session", *env, *_ro_binds(lim.allowed_packages),
-                "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(lim.tmp_mb << 20), "--tmpfs",
-                "/tmp", "--chdir", "/tmp", *caps, "--", _interpreter(), "-I", "-S", *python_args]
+        return [
+            self.bwrap,
+            *ns,
+            "--die-with-parent",
+            "--new-session",
+            *env,
+            *_ro_binds(lim.allowed_packages),
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--perms",
+            "1777",
+            "--size",
+            str(lim.tmp_mb << 20),
+            "--tmpfs",
+            "/tmp",
+            "--chdir",
+            "/tmp",
+            *caps,
+            "--",
+            _interpreter(),
+            "-I",
+            "-S",
+            *python_args,
+        ]
 
     def _prelude(self, uid: int | None) -> str:
         """Python run before anything else: the allowed packages on sys.path, then (as root) the leased uid."""
-        lines = [f"import sys as _s\n_s.path.append({PACKAGES_DIR!r})\ndel _s"] if self.limits.allowed_packages else []
+        lines = (
+            [f"import sys as _s\n_s.path.append({PACKAGES_DIR!r})\ndel _s"]
+            if self.limits.allowed_packages
+            else []
+        )
         if uid is not None:
             lines.append(f"import os as _o\n_o.setgroups([]); _o.setgid({uid}); _o.setuid({uid})\ndel _o")
         return "\n".join(lines) + "\n" if lines else ""
@@ -257,9 +315,13 @@ class Sandbox:
 
         def apply() -> None:
             mem = lim.memory_mb << 20
-            for kind, value in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_NPROC, nproc),
-                                (resource.RLIMIT_NOFILE, lim.max_open_files),
-                                (resource.RLIMIT_FSIZE, lim.max_output_bytes), (resource.RLIMIT_CORE, 0)):
+            for kind, value in (
+                (resource.RLIMIT_AS, mem),
+                (resource.RLIMIT_NPROC, nproc),
+                (resource.RLIMIT_NOFILE, lim.max_open_files),
+                (resource.RLIMIT_FSIZE, lim.max_output_bytes),
+                (resource.RLIMIT_CORE, 0),
+            ):
                 resource.setrlimit(kind, (value, value))
             resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1))
 
@@ -272,15 +334,28 @@ class Sandbox:
         and collect() classifies how it ended (run.result)."""
         slot = self._slots.get()
         try:
-            with (uid_lease() if self.as_root else _no_uid()) as uid, \
-                    tempfile.TemporaryDirectory(prefix="reinforge-sandbox-") as tmp:
-                nproc = self.limits.max_processes if self.as_root else _user_processes() + self.limits.max_processes
+            with (
+                uid_lease() if self.as_root else _no_uid() as uid,
+                tempfile.TemporaryDirectory(prefix="reinforge-sandbox-") as tmp,
+            ):
+                nproc = (
+                    self.limits.max_processes
+                    if self.as_root
+                    else _user_processes() + self.limits.max_processes
+                )
                 out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
                 with open(out_path, "wb") as out, open(err_path, "wb") as err:
                     prelude = self._prelude(uid)
-                    proc = subprocess.Popen(self._command(python_args(prelude)), stdin=subprocess.PIPE, stdout=out,
-                                            stderr=err, preexec_fn=self._preexec(nproc), start_new_session=True,
-                                            close_fds=True, pass_fds=pass_fds)
+                    proc = subprocess.Popen(
+                        self._command(python_args(prelude)),
+                        stdin=subprocess.PIPE,
+                        stdout=out,
+                        stderr=err,
+                        preexec_fn=self._preexec(nproc),
+                        start_new_session=True,
+                        close_fds=True,
+                        pass_fds=pass_fds,
+                    )
                     watcher = _Watcher(proc.pid, self.limits, count_processes=not self.as_root)
                     watcher.start()
                     run = _Run(proc, watcher, out_path, err_path, self.limits, prelude)
@@ -335,7 +410,9 @@ def _no_uid():
 class _Run:
     """One sandboxed process and how it ended (`result`, filled in by collect())."""
 
-    def __init__(self, proc, watcher: _Watcher, out_path: str, err_path: str, limits: SandboxLimits, prelude: str):
+    def __init__(
+        self, proc, watcher: _Watcher, out_path: str, err_path: str, limits: SandboxLimits, prelude: str
+    ):
         self.proc, self.watcher, self.limits, self.prelude = proc, watcher, limits, prelude
         self.out_path, self.err_path = out_path, err_path
         self.timed_out = False
@@ -349,7 +426,12 @@ class _Run:
         rc = self.proc.returncode
         if self.watcher.reason:
             status = self.watcher.reason
-        elif self.timed_out or rc in (128 + signal.SIGXCPU, -signal.SIGXCPU, 128 + signal.SIGKILL, -signal.SIGKILL):
+        elif self.timed_out or rc in (
+            128 + signal.SIGXCPU,
+            -signal.SIGXCPU,
+            128 + signal.SIGKILL,
+            -signal.SIGKILL,
+        ):
             status = "timeout"
         elif out_size >= lim.max_output_bytes or "File too large" in stderr[-500:]:
             status = "output_limit"
@@ -358,8 +440,10 @@ class _Run:
         elif rc == 0:
             status = "ok"
         elif rc == 1 and stderr.startswith("bwrap:"):
-            raise SandboxUnavailable(f"bubblewrap could not start the sandbox: {stderr.strip()[:300]}; "
-                                     "it needs user namespaces (or root). Code is not run unconfined.")
+            raise SandboxUnavailable(
+                f"bubblewrap could not start the sandbox: {stderr.strip()[:300]}; "
+                "it needs user namespaces (or root). Code is not run unconfined."
+            )
         else:
             status = "error"
         self.result = SandboxResult(status, rc, stdout, stderr, time.perf_counter() - self.start)

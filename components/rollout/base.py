@@ -61,13 +61,23 @@ def check_newer(current: int, version: int) -> None:
 
 
 # engine.type -> "module:Class"; modules (and their packages) are imported only when chosen.
-ENGINES = {"hf": "components.rollout.hf:HFEngine", "vllm": "components.rollout.vllm_engine:VLLMEngine",
-           "sglang": "components.rollout.sglang_engine:SGLangEngine",
-           "trtllm": "components.rollout.trtllm_engine:TRTLLMEngine"}
+ENGINES = {
+    "hf": "components.rollout.hf:HFEngine",
+    "vllm": "components.rollout.vllm_engine:VLLMEngine",
+    "sglang": "components.rollout.sglang_engine:SGLangEngine",
+    "trtllm": "components.rollout.trtllm_engine:TRTLLMEngine",
+}
 
 
-def make_engine(engine_type: str, path: str, eos_id: int, pad_id: int, options=None, model=None,
-                key: str = "actor.model.path") -> RolloutEngine:
+def make_engine(
+    engine_type: str,
+    path: str,
+    eos_id: int,
+    pad_id: int,
+    options=None,
+    model=None,
+    key: str = "actor.model.path",
+) -> RolloutEngine:
     """The engine for `engine.type`, over the model at `path` (the hf engine can take a loaded `model`, a
     colocated policy's own module). A missing package raises ConfigError with its install command."""
     from components.rollout.completions import EngineOptions

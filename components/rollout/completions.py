@@ -34,12 +34,17 @@ class EngineOptions:
     attention_implementation: str = "sdpa"  # the hf engine's
 
     @classmethod
-    def from_config(cls, cfg) -> "EngineOptions":
+    def from_config(cls, cfg) -> EngineOptions:
         e, m = cfg.engine, cfg.actor.model
-        return cls(dtype=m.dtype, tensor_parallel_size=e.tensor_parallel_size,
-                   gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=m.max_seq_len,
-                   sleep_during_update=e.sleep_during_update, seed=cfg.trainer.seed,
-                   attention_implementation=m.attention_implementation)
+        return cls(
+            dtype=m.dtype,
+            tensor_parallel_size=e.tensor_parallel_size,
+            gpu_memory_utilization=e.gpu_memory_utilization,
+            max_model_len=m.max_seq_len,
+            sleep_during_update=e.sleep_during_update,
+            seed=cfg.trainer.seed,
+            attention_implementation=m.attention_implementation,
+        )
 
 
 # engine.type -> the distribution of its CPU build, which runs without a GPU (vLLM's CPU backend)
@@ -59,22 +64,31 @@ def has_cpu_build(engine_type: str) -> bool:
     return True
 
 
-def engine_problems(engine_type: str, cuda_available: bool | None = None, cpu_build: bool | None = None) -> list[str]:
+def engine_problems(
+    engine_type: str, cuda_available: bool | None = None, cpu_build: bool | None = None
+) -> list[str]:
     """Why engine.type cannot run here (package missing, no GPU), each with the fix; empty when it can."""
     if engine_type not in ENGINE_PACKAGES:
         return []
     module, install = ENGINE_PACKAGES[engine_type]
     problems = []
     if importlib.util.find_spec(module) is None:
-        problems.append(f"engine.type={engine_type}: package `{module}` is not installed. Install it with "
-                        f"`{install}`, or set engine.type=hf.")
+        problems.append(
+            f"engine.type={engine_type}: package `{module}` is not installed. Install it with "
+            f"`{install}`, or set engine.type=hf."
+        )
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     if not cuda_available and not (has_cpu_build(engine_type) if cpu_build is None else cpu_build):
-        cpu = f", or install its CPU build (`pip install {CPU_BUILDS[engine_type]}`)" \
-            if engine_type in CPU_BUILDS else ""
-        problems.append(f"engine.type={engine_type}: it needs a CUDA GPU and torch sees none "
-                        f"(torch.cuda.is_available() is False). Run on a GPU machine{cpu}, or set engine.type=hf.")
+        cpu = (
+            f", or install its CPU build (`pip install {CPU_BUILDS[engine_type]}`)"
+            if engine_type in CPU_BUILDS
+            else ""
+        )
+        problems.append(
+            f"engine.type={engine_type}: it needs a CUDA GPU and torch sees none "
+            f"(torch.cuda.is_available() is False). Run on a GPU machine{cpu}, or set engine.type=hf."
+        )
     return problems
 
 
@@ -104,8 +118,13 @@ def require(engine_type: str):
     return importlib.import_module(ENGINE_PACKAGES[engine_type][0])
 
 
-def to_rollout_output(samples: list[tuple[list[int], list[float]]], stops: set[int], pad_id: int,
-                      max_new_tokens: int, version: int) -> RolloutOutput:
+def to_rollout_output(
+    samples: list[tuple[list[int], list[float]]],
+    stops: set[int],
+    pad_id: int,
+    max_new_tokens: int,
+    version: int,
+) -> RolloutOutput:
     """Per-sample (token ids, log-probs of those tokens) -> padded RolloutOutput. Each sample is cut after its
     first stop token (EOS or a stop id; engines differ on whether they return it) and to max_new_tokens;
     response_mask is 1 through the stop token.
@@ -126,9 +145,9 @@ def to_rollout_output(samples: list[tuple[list[int], list[float]]], stops: set[i
     mask = torch.zeros((len(cut), width), dtype=torch.long)
     logprobs = torch.zeros((len(cut), width))
     for i, (ids, logps) in enumerate(cut):
-        responses[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        mask[i, :len(ids)] = 1
-        logprobs[i, :len(ids)] = torch.tensor(logps)
+        responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        mask[i, : len(ids)] = 1
+        logprobs[i, : len(ids)] = torch.tensor(logps)
     return RolloutOutput(responses, mask, logprobs, version)
 
 

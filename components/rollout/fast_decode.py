@@ -28,7 +28,9 @@ def unsupported_reason(model) -> str | None:
         return f"model_type {c.model_type!r} is not one of {', '.join(SUPPORTED)}"
     checks = {
         "hidden_act is not silu": getattr(c, "hidden_act", "silu") != "silu",
-        "sliding-window attention": bool(getattr(c, "use_sliding_window", False) and getattr(c, "sliding_window", None))
+        "sliding-window attention": bool(
+            getattr(c, "use_sliding_window", False) and getattr(c, "sliding_window", None)
+        )
         or (c.model_type == "mistral" and getattr(c, "sliding_window", None) is not None),
         "mlp_bias": bool(getattr(c, "mlp_bias", False)),
         "pretraining_tp > 1": getattr(c, "pretraining_tp", 1) != 1,
@@ -63,14 +65,24 @@ class LeanDecoder:
             w = torch.cat([p.weight for p in projs]).detach()
             b = None
             if any(p.bias is not None for p in projs):  # a missing bias is zeros
-                b = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=w.dtype, device=w.device)
-                               for p in projs]).detach()
+                b = torch.cat(
+                    [
+                        p.bias
+                        if p.bias is not None
+                        else torch.zeros(p.out_features, dtype=w.dtype, device=w.device)
+                        for p in projs
+                    ]
+                ).detach()
             self._packed.append((w, b))
 
-    def new_cache(self, rows: int, length: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def new_cache(
+        self, rows: int, length: int, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape, device = (rows, self.n_kv, length, self.head_dim), self._device()
-        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                for _ in self.layers]
+        return [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in self.layers
+        ]
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -81,17 +93,26 @@ class LeanDecoder:
         cos, sin = self.model.model.rotary_emb(torch.zeros(1, dtype=dtype, device=pos.device), pos)
         return cos[0], sin[0]
 
-    def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _attend_one(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         """Attention of one query per row: q (N, H, 1, D), k/v (N, Hkv, T, D), mask (N, 1, 1, T) bool ->
         (N, H, 1, D). The H query heads are grouped over the Hkv heads as transformers groups them."""
         n, d = q.shape[0], self.head_dim
         qg = q.reshape(n, self.n_kv, self.n_heads // self.n_kv, d)  # (N, Hkv, G, D)
-        scores = (qg @ k.transpose(-1, -2)) * d ** -0.5  # (N, Hkv, G, T)
+        scores = (qg @ k.transpose(-1, -2)) * d**-0.5  # (N, Hkv, G, T)
         scores = scores.masked_fill(~mask, float("-inf"))
         return (scores.softmax(-1) @ v).reshape(n, self.n_heads, 1, d)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, start: int, attn_mask: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache,
+        start: int,
+        attn_mask: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
         """Logits (N, V) of the last column. ids, positions (N, T) are written to cache columns
         [start, start + T); attn_mask (N, 1, T, start + T) bool says which keys each query sees."""
         n, t = ids.shape
@@ -109,8 +130,13 @@ class LeanDecoder:
             if t == 1:  # one new token: two small matmuls beat SDPA's kernel at this size (1.3 vs 2.0 ms, W2)
                 a = self._attend_one(q, kc[:, :, :end], vc[:, :, :end], attn_mask)
             else:
-                a = F.scaled_dot_product_attention(q, kc[:, :, :end], vc[:, :, :end], attn_mask=attn_mask,
-                                                   enable_gqa=self.n_heads != self.n_kv)
+                a = F.scaled_dot_product_attention(
+                    q,
+                    kc[:, :, :end],
+                    vc[:, :, :end],
+                    attn_mask=attn_mask,
+                    enable_gqa=self.n_heads != self.n_kv,
+                )
             h = h + layer.self_attn.o_proj(a.transpose(1, 2).reshape(n, t, hq))
             ln = layer.post_attention_layernorm
             x = F.rms_norm(h, (h.shape[-1],), ln.weight, ln.variance_epsilon)
@@ -126,4 +152,6 @@ def prefill_mask(mask: torch.Tensor) -> torch.Tensor:
     NaN, and its NaN keys would then poison the rows that mask them)."""
     p = mask.shape[1]
     causal = torch.ones(p, p, dtype=torch.bool, device=mask.device).tril()
-    return (causal & mask.bool()[:, None, :]).logical_or(torch.eye(p, dtype=torch.bool, device=mask.device))[:, None]
+    return (causal & mask.bool()[:, None, :]).logical_or(torch.eye(p, dtype=torch.bool, device=mask.device))[
+        :, None
+    ]

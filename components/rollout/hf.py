@@ -9,7 +9,9 @@ from components.rollout.base import RolloutOutput, SamplingParams, check_newer
 from components.rollout.fast_decode import LeanDecoder, prefill_mask, unsupported_reason
 from components.rollout.sampling import sample_tokens
 
-COMPACT_FRACTION = 0.25  # the lean loop drops finished rows once this fraction of the active ones has finished
+COMPACT_FRACTION = (
+    0.25  # the lean loop drops finished rows once this fraction of the active ones has finished
+)
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,8 +21,8 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
     return ids, mask
 
 
@@ -37,8 +39,9 @@ class HFEngine:
         self.lean = LeanDecoder(model) if self.slow_reason is None else None
 
     @classmethod
-    def from_path(cls, path: str, eos_id: int, pad_id: int, options, model=None,
-                  key: str = "actor.model.path") -> "HFEngine":
+    def from_path(
+        cls, path: str, eos_id: int, pad_id: int, options, model=None, key: str = "actor.model.path"
+    ) -> HFEngine:
         """Load the model at `path` (or sample with `model`, a colocated policy's own module)."""
         from components.models.loading import load_model
 
@@ -72,8 +75,11 @@ class HFEngine:
         ids, mask = left_pad(prompts, self.pad_id)
         ids = ids.repeat_interleave(params.n, 0).to(device)  # (N, P)
         mask = mask.repeat_interleave(params.n, 0).to(device)
-        decoder = _LeanSteps(self.lean, self.model, ids, mask, params.max_new_tokens) if self.lean is not None \
+        decoder = (
+            _LeanSteps(self.lean, self.model, ids, mask, params.max_new_tokens)
+            if self.lean is not None
             else _HFSteps(self.model, ids, mask)
+        )
         n_rows = ids.shape[0]
         tokens_out = torch.full((n_rows, params.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         logp_out = torch.zeros((n_rows, params.max_new_tokens), device=device)
@@ -91,7 +97,9 @@ class HFEngine:
             n_done = int(done.sum())
             if n_done == len(active) or t == params.max_new_tokens - 1:
                 break
-            if decoder.can_drop and n_done >= max(1, COMPACT_FRACTION * len(active)):  # drop the finished rows
+            if decoder.can_drop and n_done >= max(
+                1, COMPACT_FRACTION * len(active)
+            ):  # drop the finished rows
                 keep = (~done).nonzero().squeeze(-1)
                 decoder.keep(keep)
                 active, tok, done = active[keep], tok[keep], done[keep]
@@ -119,15 +127,28 @@ class _HFSteps:
         self.model, self.mask = model, mask
         self.cache = {cache_kwarg(model): DynamicCache()}
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        self.logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **self.cache,
-                            use_cache=True, logits_to_keep=1).logits[:, -1, :]
+        self.logits = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            **self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1, :]
         self.next_pos = positions[:, -1:] + 1
 
     def advance(self, tok: torch.Tensor) -> torch.Tensor:
         """Logits (N, V) after feeding one token per row."""
-        self.mask = torch.cat([self.mask, torch.ones((len(tok), 1), dtype=self.mask.dtype, device=tok.device)], dim=1)
-        out = self.model(input_ids=tok[:, None], attention_mask=self.mask, position_ids=self.next_pos,
-                         **self.cache, use_cache=True)
+        self.mask = torch.cat(
+            [self.mask, torch.ones((len(tok), 1), dtype=self.mask.dtype, device=tok.device)], dim=1
+        )
+        out = self.model(
+            input_ids=tok[:, None],
+            attention_mask=self.mask,
+            position_ids=self.next_pos,
+            **self.cache,
+            use_cache=True,
+        )
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1, :]
 
@@ -138,16 +159,24 @@ class _LeanSteps:
 
     can_drop = True
 
-    def __init__(self, lean: LeanDecoder, model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor,
-                 max_new_tokens: int):
+    def __init__(
+        self,
+        lean: LeanDecoder,
+        model: PreTrainedModel,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        max_new_tokens: int,
+    ):
         dtype = next(model.parameters()).dtype
         lean.pack()  # every call: the weights may have moved in place (a colocated policy)
         n_rows, self.col = ids.shape
         total = self.col + max_new_tokens
         self.lean, self.cache = lean, lean.new_cache(n_rows, total, dtype)
         self.rope = lean.rotary_table(total, dtype)
-        self.keys = torch.zeros((n_rows, total), dtype=torch.bool, device=ids.device)  # cache columns a row sees
-        self.keys[:, :self.col] = mask.bool()
+        self.keys = torch.zeros(
+            (n_rows, total), dtype=torch.bool, device=ids.device
+        )  # cache columns a row sees
+        self.keys[:, : self.col] = mask.bool()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         self.logits = lean.forward(ids, positions, self.cache, 0, prefill_mask(mask), self.rope)
         self.next_pos = positions[:, -1:] + 1
@@ -160,8 +189,9 @@ class _LeanSteps:
         """Logits (N, V) after feeding one token per row into the next cache column."""
         col = self.col
         self.keys[:, col] = True
-        logits = self.lean.forward(tok[:, None], self.next_pos, self.cache, col, self.keys[:, None, None, :col + 1],
-                                   self.rope)
+        logits = self.lean.forward(
+            tok[:, None], self.next_pos, self.cache, col, self.keys[:, None, None, : col + 1], self.rope
+        )
         self.col, self.next_pos = col + 1, self.next_pos + 1
         return logits
 

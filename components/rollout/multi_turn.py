@@ -27,12 +27,17 @@ class MultiTurnSettings:
     concurrency: int = 2
 
     @classmethod
-    def from_config(cls, cfg) -> "MultiTurnSettings | None":
+    def from_config(cls, cfg) -> MultiTurnSettings | None:
         m = cfg.multi_turn
         if not m.enable:
             return None
-        return cls(m.max_turns, tuple(m.tools), m.max_tool_response_chars, cfg.sandbox.limits(),
-                   cfg.sandbox.concurrency)
+        return cls(
+            m.max_turns,
+            tuple(m.tools),
+            m.max_tool_response_chars,
+            cfg.sandbox.limits(),
+            cfg.sandbox.concurrency,
+        )
 
 
 @dataclass
@@ -62,16 +67,20 @@ def tool_turn_text(tokenizer, result: str, after_eos: bool) -> str:
     the assistant turn already ended with EOS, a leading EOS in that text is not repeated."""
     user = [{"role": "user", "content": "q"}]
     before = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
-    full = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": _MARK},
-                                                 {"role": "tool", "content": result}],
-                                         add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(
+        user + [{"role": "assistant", "content": _MARK}, {"role": "tool", "content": result}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     if not full.startswith(before + _MARK):
-        raise ValueError("the tokenizer's chat template does not render an assistant turn after the generation "
-                         "prompt verbatim, so tool turns cannot be appended; use a model whose template supports "
-                         "the `tool` role")
-    text = full[len(before) + len(_MARK):]
+        raise ValueError(
+            "the tokenizer's chat template does not render an assistant turn after the generation "
+            "prompt verbatim, so tool turns cannot be appended; use a model whose template supports "
+            "the `tool` role"
+        )
+    text = full[len(before) + len(_MARK) :]
     eos = tokenizer.eos_token or ""
-    return text[len(eos):] if after_eos and eos and text.startswith(eos) else text
+    return text[len(eos) :] if after_eos and eos and text.startswith(eos) else text
 
 
 def single_token(tokenizer, text: str) -> int | None:
@@ -79,8 +88,16 @@ def single_token(tokenizer, text: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
-def multi_turn_generate(engine, tokenizer, prompts: list[list[int]], params: SamplingParams, seed: int,
-                        tools: dict, max_turns: int, max_tool_chars: int = 256) -> MultiTurnOutput:
+def multi_turn_generate(
+    engine,
+    tokenizer,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    seed: int,
+    tools: dict,
+    max_turns: int,
+    max_tool_chars: int = 256,
+) -> MultiTurnOutput:
     """params.n samples per prompt (row i*n + j is sample j of prompt i), each up to max_turns assistant turns
     of at most params.max_new_tokens tokens. A turn that ends in a tool call (`</tool_call>` stops a turn
     when it is one token) runs the tool; its output (or the error, counted in tool_errors) is cut to
@@ -128,8 +145,10 @@ def multi_turn_generate(engine, tokenizer, prompts: list[list[int]], params: Sam
                 except ToolError as exc:
                     result = f"error: {exc}"
                     errors[i] += 1
-            delta = tokenizer(tool_turn_text(tokenizer, result[:max_tool_chars], bool(new) and new[-1] == eos),
-                              add_special_tokens=False)["input_ids"]
+            delta = tokenizer(
+                tool_turn_text(tokenizer, result[:max_tool_chars], bool(new) and new[-1] == eos),
+                add_special_tokens=False,
+            )["input_ids"]
             tokens[i] += delta
             loss[i] += [0] * len(delta)
             logps[i] += [0.0] * len(delta)
@@ -147,6 +166,10 @@ def multi_turn_generate(engine, tokenizer, prompts: list[list[int]], params: Sam
         response_mask[i, :k] = torch.tensor(loss[i], dtype=torch.long)
         attention[i, :k] = 1
         logprobs[i, :k] = torch.tensor(logps[i])
-    return MultiTurnOutput(RolloutOutput(responses, response_mask, logprobs, version), attention,
-                           torch.tensor(turns, dtype=torch.float32), torch.tensor(calls, dtype=torch.float32),
-                           torch.tensor(errors, dtype=torch.float32))
+    return MultiTurnOutput(
+        RolloutOutput(responses, response_mask, logprobs, version),
+        attention,
+        torch.tensor(turns, dtype=torch.float32),
+        torch.tensor(calls, dtype=torch.float32),
+        torch.tensor(errors, dtype=torch.float32),
+    )

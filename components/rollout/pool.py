@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import ray
 
 from components.batch import Batch
 
 log = logging.getLogger("reinforge")
-FAILURES = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError)
+FAILURES = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.GetTimeoutError,
+    ray.exceptions.ActorUnavailableError,
+)
 
 
 def split_by_load(lengths: list[int], parts: int) -> list[slice]:
@@ -46,8 +50,14 @@ def split_by_load(lengths: list[int], parts: int) -> list[slice]:
 class EnginePool:
     """The rollout actors of a run. `sync(actor)` gives an actor the policy's current weights."""
 
-    def __init__(self, actors: list, make_actor: Callable[[], object], sync: Callable[[object], None],
-                 health_timeout_s: float = 60.0, startup_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        actors: list,
+        make_actor: Callable[[], object],
+        sync: Callable[[object], None],
+        health_timeout_s: float = 60.0,
+        startup_timeout_s: float = 600.0,
+    ):
         self.actors, self.make_actor, self.sync = list(actors), make_actor, sync
         self.health_timeout_s, self.startup_timeout_s = health_timeout_s, startup_timeout_s
         self.restarts = 0
@@ -75,8 +85,9 @@ class EnginePool:
                 actor = self.actors[k] = self.make_actor()
                 pid = self._healthy(actor, self.startup_timeout_s)
                 if pid is None:
-                    raise RuntimeError(f"rollout engine {k}: a new actor did not answer within "
-                                       f"{self.startup_timeout_s:g} s")
+                    raise RuntimeError(
+                        f"rollout engine {k}: a new actor did not answer within {self.startup_timeout_s:g} s"
+                    )
                 break
             time.sleep(0.5)
         self._restarted(k, pid)
@@ -100,8 +111,15 @@ class EnginePool:
             else:
                 self.pids[k] = pid
 
-    def generate(self, rows: list[dict], lengths: list[int], args: tuple, seeds: list[int],
-                 timeout_s: float | None = None, retries: int = 2) -> Batch:
+    def generate(
+        self,
+        rows: list[dict],
+        lengths: list[int],
+        args: tuple,
+        seeds: list[int],
+        timeout_s: float | None = None,
+        retries: int = 2,
+    ) -> Batch:
         """RolloutWorker.generate(rows_k, params, seeds[k], *args) on each engine's share of the rows; a share
         whose engine dies (or hangs past timeout_s) is retried on the restarted engine. Shares come back
         joined in row order."""
@@ -109,7 +127,9 @@ class EnginePool:
 
         shares = split_by_load(lengths, len(self.actors))
         params, rest = args[0], args[1:]
-        refs = {k: self.actors[k].generate.remote(rows[s], params, seeds[k], *rest) for k, s in enumerate(shares)}
+        refs = {
+            k: self.actors[k].generate.remote(rows[s], params, seeds[k], *rest) for k, s in enumerate(shares)
+        }
         parts: dict[int, Batch] = {}
         for k, s in enumerate(shares):
             for attempt in range(retries + 1):
@@ -119,8 +139,12 @@ class EnginePool:
                 except FAILURES as exc:
                     if attempt == retries:
                         raise
-                    log.warning("rollout engine %d failed mid-rollout (%s); restarting it and retrying its %d "
-                                "rows", k, type(exc).__name__, s.stop - s.start)
+                    log.warning(
+                        "rollout engine %d failed mid-rollout (%s); restarting it and retrying its %d rows",
+                        k,
+                        type(exc).__name__,
+                        s.stop - s.start,
+                    )
                     self.restart(k)
                     refs[k] = self.actors[k].generate.remote(rows[s], params, seeds[k], *rest)
         ordered = [parts[k] for k in range(len(shares))]

@@ -13,14 +13,17 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p  # mass before this token already >= p
+        drop_sorted = (
+            cum - torch.softmax(sorted_logits, dim=-1)
+        ) >= top_p  # mass before this token already >= p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
 
-def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens (N,) and their log-probs (N,) under softmax(logits / temperature); greedy when 0."""
     if temperature == 0:
         logp = torch.log_softmax(logits.float(), dim=-1)

@@ -9,7 +9,13 @@ from __future__ import annotations
 import torch
 
 from components.rollout.base import RolloutOutput, SamplingParams, check_newer
-from components.rollout.completions import EngineOptions, context_length, logprob_of, require, to_rollout_output
+from components.rollout.completions import (
+    EngineOptions,
+    context_length,
+    logprob_of,
+    require,
+    to_rollout_output,
+)
 
 
 def sampling_params(params: SamplingParams, seed: int | None = None) -> dict:
@@ -18,9 +24,14 @@ def sampling_params(params: SamplingParams, seed: int | None = None) -> dict:
     >>> sampling_params(SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(7,)))["stop_token_ids"]
     [7]
     """
-    out = {"temperature": params.temperature, "top_p": params.top_p,
-           "top_k": params.top_k if params.top_k > 0 else -1, "max_new_tokens": params.max_new_tokens,
-           "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False}
+    out = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "max_new_tokens": params.max_new_tokens,
+        "stop_token_ids": list(params.stop_token_ids),
+        "skip_special_tokens": False,
+    }
     return out if seed is None else {**out, "sampling_seed": seed}
 
 
@@ -50,17 +61,31 @@ class SGLangEngine:
         sglang = require("sglang")
         self.eos_id, self.pad_id, self.options = eos_id, pad_id, options
         self.weights_version = 0
-        self.engine = sglang.Engine(model_path=path, dtype=options.dtype, tp_size=options.tensor_parallel_size,
-                                    mem_fraction_static=options.gpu_memory_utilization, random_seed=options.seed,
-                                    context_length=context_length(path, options.max_model_len),
-                                    enable_memory_saver=options.sleep_during_update, skip_tokenizer_init=True)
+        self.engine = sglang.Engine(
+            model_path=path,
+            dtype=options.dtype,
+            tp_size=options.tensor_parallel_size,
+            mem_fraction_static=options.gpu_memory_utilization,
+            random_seed=options.seed,
+            context_length=context_length(path, options.max_model_len),
+            enable_memory_saver=options.sleep_during_update,
+            skip_tokenizer_init=True,
+        )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:
         repeated = [p for p in prompts for _ in range(params.n)]
-        outs = self.engine.generate(input_ids=repeated, sampling_params=request_params(params, seed, len(prompts)),
-                                    return_logprob=True)
-        return to_rollout_output(completions(outs), {self.eos_id, *params.stop_token_ids}, self.pad_id,
-                                 params.max_new_tokens, self.weights_version)
+        outs = self.engine.generate(
+            input_ids=repeated,
+            sampling_params=request_params(params, seed, len(prompts)),
+            return_logprob=True,
+        )
+        return to_rollout_output(
+            completions(outs),
+            {self.eos_id, *params.stop_token_ids},
+            self.pad_id,
+            params.max_new_tokens,
+            self.weights_version,
+        )
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         check_newer(self.weights_version, version)

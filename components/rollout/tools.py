@@ -28,11 +28,18 @@ class Tool(Protocol):
 
 
 def _function_schema(name: str, description: str, params: dict[str, str]) -> dict:
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": {k: {"type": "string", "description": v}
-                                                         for k, v in params.items()},
-                       "required": list(params)}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {k: {"type": "string", "description": v} for k, v in params.items()},
+                "required": list(params),
+            },
+        },
+    }
 
 
 TOOLS: Registry = Registry("tool", "multi_turn.tools")
@@ -49,8 +56,11 @@ class Calculator:
     """
 
     name = "calculator"
-    schema = _function_schema("calculator", "Evaluate an arithmetic expression exactly",
-                              {"expression": "integers with + - * / and parentheses, e.g. 123*45"})
+    schema = _function_schema(
+        "calculator",
+        "Evaluate an arithmetic expression exactly",
+        {"expression": "integers with + - * / and parentheses, e.g. 123*45"},
+    )
 
     def __call__(self, arguments: dict) -> str:
         from components.rewards.countdown import BadEquation, evaluate
@@ -76,8 +86,11 @@ class PythonTool:
     """Runs the code in the bubblewrap sandbox (components/rewards/sandbox.py); returns what it printed."""
 
     name = "python"
-    schema = _function_schema("python", "Run Python code in a sandbox and return what it prints",
-                              {"code": "a Python program; print the result"})
+    schema = _function_schema(
+        "python",
+        "Run Python code in a sandbox and return what it prints",
+        {"code": "a Python program; print the result"},
+    )
 
     def __init__(self, limits=None, concurrency: int = 2):
         from components.rewards.sandbox import Sandbox, SandboxLimits
@@ -109,8 +122,11 @@ def parse_tool_call(text: str) -> tuple[str, dict] | None:
         call = json.loads(found[-1])
     except json.JSONDecodeError as exc:
         raise ToolError(f"tool call is not JSON: {exc.msg}") from None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
-            not isinstance(call.get("arguments", {}), dict):
+    if (
+        not isinstance(call, dict)
+        or not isinstance(call.get("name"), str)
+        or not isinstance(call.get("arguments", {}), dict)
+    ):
         raise ToolError('a tool call is {"name": "<tool>", "arguments": {...}}')
     return call["name"], call.get("arguments", {})
 

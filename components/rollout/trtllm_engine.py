@@ -14,8 +14,13 @@ from pathlib import Path
 import torch
 
 from components.rollout.base import RolloutOutput, SamplingParams, check_newer
-from components.rollout.completions import (EngineOptions, context_length, request_completions, require,
-                                           to_rollout_output)
+from components.rollout.completions import (
+    EngineOptions,
+    context_length,
+    request_completions,
+    require,
+    to_rollout_output,
+)
 
 
 def sampling_kwargs(params: SamplingParams, seed: int) -> dict:
@@ -24,12 +29,21 @@ def sampling_kwargs(params: SamplingParams, seed: int) -> dict:
     >>> sampling_kwargs(SamplingParams(n=2, top_k=0), 3)["top_k"] is None
     True
     """
-    return {"n": params.n, "temperature": params.temperature, "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else None, "max_tokens": params.max_new_tokens,
-            "seed": seed, "logprobs": 0, "stop_token_ids": list(params.stop_token_ids) or None}
+    return {
+        "n": params.n,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else None,
+        "max_tokens": params.max_new_tokens,
+        "seed": seed,
+        "logprobs": 0,
+        "stop_token_ids": list(params.stop_token_ids) or None,
+    }
 
 
-completions = request_completions  # TensorRT-LLM's RequestOutput: `.outputs[j].token_ids`, `.logprobs` (floats)
+completions = (
+    request_completions  # TensorRT-LLM's RequestOutput: `.outputs[j].token_ids`, `.logprobs` (floats)
+)
 
 
 class TRTLLMEngine:
@@ -42,15 +56,24 @@ class TRTLLMEngine:
 
     def _build(self, path: str):
         kv = self.trt.llmapi.KvCacheConfig(free_gpu_memory_fraction=self.options.gpu_memory_utilization)
-        return self.trt.LLM(model=path, tensor_parallel_size=self.options.tensor_parallel_size,
-                            dtype=self.options.dtype, kv_cache_config=kv,
-                            max_seq_len=context_length(path, self.options.max_model_len))
+        return self.trt.LLM(
+            model=path,
+            tensor_parallel_size=self.options.tensor_parallel_size,
+            dtype=self.options.dtype,
+            kv_cache_config=kv,
+            max_seq_len=context_length(path, self.options.max_model_len),
+        )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:
         sp = self.trt.SamplingParams(**sampling_kwargs(params, seed))
         outs = self.llm.generate(prompts, sampling_params=sp, use_tqdm=False)
-        return to_rollout_output(completions(outs), {self.eos_id, *params.stop_token_ids}, self.pad_id,
-                                 params.max_new_tokens, self.weights_version)
+        return to_rollout_output(
+            completions(outs),
+            {self.eos_id, *params.stop_token_ids},
+            self.pad_id,
+            params.max_new_tokens,
+            self.weights_version,
+        )
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         check_newer(self.weights_version, version)
@@ -61,7 +84,11 @@ class TRTLLMEngine:
 
             new_dir = tempfile.mkdtemp(prefix="reinforge-trtllm-")
             for f in Path(self.path).iterdir():  # config and tokenizer files; the weights are ours
-                if f.is_file() and f.suffix not in (".safetensors", ".bin") and not f.name.endswith(".index.json"):
+                if (
+                    f.is_file()
+                    and f.suffix not in (".safetensors", ".bin")
+                    and not f.name.endswith(".index.json")
+                ):
                     shutil.copy(f, new_dir)
             save_file({k: v.contiguous() for k, v in state_dict.items()}, f"{new_dir}/model.safetensors")
             self.llm.shutdown()

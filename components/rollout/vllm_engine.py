@@ -11,8 +11,13 @@ import os
 import torch
 
 from components.rollout.base import RolloutOutput, SamplingParams, check_newer
-from components.rollout.completions import (EngineOptions, context_length, request_completions, require,
-                                           to_rollout_output)
+from components.rollout.completions import (
+    EngineOptions,
+    context_length,
+    request_completions,
+    require,
+    to_rollout_output,
+)
 
 
 def sampling_kwargs(params: SamplingParams, seed: int) -> dict:
@@ -21,10 +26,18 @@ def sampling_kwargs(params: SamplingParams, seed: int) -> dict:
     >>> sampling_kwargs(SamplingParams(n=4, temperature=0.7, top_k=0, max_new_tokens=32), 9)["top_k"]
     -1
     """
-    return {"n": params.n, "temperature": params.temperature, "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else -1, "max_tokens": params.max_new_tokens,
-            "seed": seed, "logprobs": 0, "stop_token_ids": list(params.stop_token_ids),
-            "skip_special_tokens": False, "detokenize": False}
+    return {
+        "n": params.n,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "max_tokens": params.max_new_tokens,
+        "seed": seed,
+        "logprobs": 0,
+        "stop_token_ids": list(params.stop_token_ids),
+        "skip_special_tokens": False,
+        "detokenize": False,
+    }
 
 
 completions = request_completions  # vLLM's RequestOutput: `.outputs[j].logprobs` = [{token_id: Logprob}]
@@ -44,14 +57,21 @@ class VLLMEngine:
 
         # vLLM's CPU build cannot rewind a seeded request's generator when its prefill is split across steps
         cpu = {"enable_chunked_prefill": False} if current_platform.is_cpu() else {}
-        self.llm = vllm.LLM(model=path, tokenizer=path, dtype=options.dtype, seed=options.seed,
-                            tensor_parallel_size=options.tensor_parallel_size,
-                            gpu_memory_utilization=options.gpu_memory_utilization,
-                            max_model_len=context_length(path, options.max_model_len),
-                            enable_sleep_mode=options.sleep_during_update,
-                            enforce_eager=options.enforce_eager, enable_prefix_caching=True,
-                            # log-probs after temperature (and top-k / top-p), as our engines return them
-                            logprobs_mode="processed_logprobs", **cpu)
+        self.llm = vllm.LLM(
+            model=path,
+            tokenizer=path,
+            dtype=options.dtype,
+            seed=options.seed,
+            tensor_parallel_size=options.tensor_parallel_size,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            max_model_len=context_length(path, options.max_model_len),
+            enable_sleep_mode=options.sleep_during_update,
+            enforce_eager=options.enforce_eager,
+            enable_prefix_caching=True,
+            # log-probs after temperature (and top-k / top-p), as our engines return them
+            logprobs_mode="processed_logprobs",
+            **cpu,
+        )
         self._vllm = vllm
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:
@@ -59,15 +79,22 @@ class VLLMEngine:
 
         sp = self._vllm.SamplingParams(**sampling_kwargs(params, seed))
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-        return to_rollout_output(completions(outs), {self.eos_id, *params.stop_token_ids}, self.pad_id,
-                                 params.max_new_tokens, self.weights_version)
+        return to_rollout_output(
+            completions(outs),
+            {self.eos_id, *params.stop_token_ids},
+            self.pad_id,
+            params.max_new_tokens,
+            self.weights_version,
+        )
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         check_newer(self.weights_version, version)
         # vLLM's in-place reload takes checkpoint-format names and tensors and redoes whatever its kernels did to
         # them after loading (repacking, fusing); the engine core runs in this process, so nothing is pickled
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items()),
-                                                         "is_checkpoint_format": True})
+        self.llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True},
+        )
         self.llm.reset_prefix_cache()
         self.weights_version = version
 

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from components.batch import Batch
-from components.models.loading import load_tokenizer
-from components.rollout.completions import EngineOptions
 from components.data.prompts import PromptSettings, encode_prompts
+from components.models.loading import load_tokenizer
 from components.rl import rollout_batch
 from components.rollout.base import SamplingParams, make_engine
+from components.rollout.completions import EngineOptions
 from components.rollout.multi_turn import MultiTurnSettings, make_tools, multi_turn_generate
 
 
@@ -30,25 +30,51 @@ class RolloutSettings:
 
 
 class RolloutWorker:
-    def __init__(self, model_path: str, engine_type: str = "hf", options: EngineOptions | None = None,
-                 num_threads: int = 2, key: str = "actor.model.path", model=None,
-                 multi_turn: MultiTurnSettings | None = None, prompts: PromptSettings | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        engine_type: str = "hf",
+        options: EngineOptions | None = None,
+        num_threads: int = 2,
+        key: str = "actor.model.path",
+        model=None,
+        multi_turn: MultiTurnSettings | None = None,
+        prompts: PromptSettings | None = None,
+    ):
         """`model`: sample with this module (a colocated policy's own) instead of loading a copy.
         `multi_turn`: samples may call tools between turns (components/rollout/multi_turn.py). `prompts`: how a
         row's prompt becomes token ids (data.apply_chat_template), the same as in SFT."""
         torch.set_num_threads(num_threads)
         self.tokenizer = load_tokenizer(model_path, key)
         self.prompts = prompts or PromptSettings()
-        self.engine = make_engine(engine_type, model_path, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
-                                  options or EngineOptions(dtype="float32"), model=model, key=key)
+        self.engine = make_engine(
+            engine_type,
+            model_path,
+            self.tokenizer.eos_token_id,
+            self.tokenizer.pad_token_id,
+            options or EngineOptions(dtype="float32"),
+            model=model,
+            key=key,
+        )
         self.multi_turn = multi_turn
-        self.tools = make_tools(list(multi_turn.tools), multi_turn.sandbox_limits, multi_turn.concurrency) \
-            if multi_turn else {}
+        self.tools = (
+            make_tools(list(multi_turn.tools), multi_turn.sandbox_limits, multi_turn.concurrency)
+            if multi_turn
+            else {}
+        )
 
     @classmethod
-    def from_settings(cls, s: RolloutSettings, model=None, key: str = "actor.model.path") -> "RolloutWorker":
-        return cls(s.model_path, s.engine_type, s.options, s.num_threads, key=key, model=model,
-                   multi_turn=s.multi_turn, prompts=s.prompts)
+    def from_settings(cls, s: RolloutSettings, model=None, key: str = "actor.model.path") -> RolloutWorker:
+        return cls(
+            s.model_path,
+            s.engine_type,
+            s.options,
+            s.num_threads,
+            key=key,
+            model=model,
+            multi_turn=s.multi_turn,
+            prompts=s.prompts,
+        )
 
     def pid(self) -> int:
         return os.getpid()
@@ -59,8 +85,9 @@ class RolloutWorker:
     def health(self) -> int:
         """A one-token greedy generation; returns this process's pid (a changed pid = Ray restarted it)."""
         self.engine.wake()
-        out = self.engine.generate([[self.tokenizer.eos_token_id]], SamplingParams(n=1, temperature=0.0,
-                                                                                   max_new_tokens=1), seed=0)
+        out = self.engine.generate(
+            [[self.tokenizer.eos_token_id]], SamplingParams(n=1, temperature=0.0, max_new_tokens=1), seed=0
+        )
         if out.responses.shape[0] != 1:
             raise RuntimeError("the engine's health-check generation returned no sample")
         return os.getpid()
@@ -70,34 +97,58 @@ class RolloutWorker:
         self.engine.update_weights(state_dict, version)
         return self.engine.weights_version
 
-    def generate(self, rows: list[dict], params: SamplingParams, seed: int, iteration: int,
-                 expect_version: int | None = None, greedy_baseline: bool = False) -> Batch:
+    def generate(
+        self,
+        rows: list[dict],
+        params: SamplingParams,
+        seed: int,
+        iteration: int,
+        expect_version: int | None = None,
+        greedy_baseline: bool = False,
+    ) -> Batch:
         """Sample params.n completions per row; refuses to sample with weights older than expect_version.
 
         greedy_baseline (remax) also decodes one greedy completion per row, as `baseline_responses` /
         `baseline_mask` repeated over the row's n samples.
         """
         if expect_version is not None and self.engine.weights_version != expect_version:
-            raise RuntimeError(f"rollout engine holds weights version {self.engine.weights_version}, "
-                               f"the policy is at {expect_version}: sync weights before sampling")
+            raise RuntimeError(
+                f"rollout engine holds weights version {self.engine.weights_version}, "
+                f"the policy is at {expect_version}: sync weights before sampling"
+            )
         start = time.perf_counter()
         self.engine.wake()
-        prompt_ids = encode_prompts(self.tokenizer, [r["prompt"] for r in rows], self.prompts,
-                                    [t.schema for t in self.tools.values()])
+        prompt_ids = encode_prompts(
+            self.tokenizer, [r["prompt"] for r in rows], self.prompts, [t.schema for t in self.tools.values()]
+        )
         if self.multi_turn:
-            mt = multi_turn_generate(self.engine, self.tokenizer, prompt_ids, params, seed, self.tools,
-                                     self.multi_turn.max_turns, self.multi_turn.max_tool_chars)
+            mt = multi_turn_generate(
+                self.engine,
+                self.tokenizer,
+                prompt_ids,
+                params,
+                seed,
+                self.tools,
+                self.multi_turn.max_turns,
+                self.multi_turn.max_tool_chars,
+            )
             batch = rollout_batch(rows, prompt_ids, mt.out, params.n, self.tokenizer.pad_token_id, iteration)
-            batch = batch.union(response_attention_mask=mt.attention_mask, num_turns=mt.num_turns,
-                                tool_calls=mt.tool_calls, tool_errors=mt.tool_errors)
+            batch = batch.union(
+                response_attention_mask=mt.attention_mask,
+                num_turns=mt.num_turns,
+                tool_calls=mt.tool_calls,
+                tool_errors=mt.tool_errors,
+            )
         else:
             out = self.engine.generate(prompt_ids, params, seed)
             batch = rollout_batch(rows, prompt_ids, out, params.n, self.tokenizer.pad_token_id, iteration)
         batch.meta["gen_seconds"] = time.perf_counter() - start  # in the worker: the stage's compute
         if greedy_baseline:
             greedy = self.engine.generate(prompt_ids, replace(params, n=1, temperature=0.0), seed)
-            batch = batch.union(baseline_responses=greedy.responses.repeat_interleave(params.n, 0),
-                                baseline_mask=greedy.response_mask.repeat_interleave(params.n, 0))
+            batch = batch.union(
+                baseline_responses=greedy.responses.repeat_interleave(params.n, 0),
+                baseline_mask=greedy.response_mask.repeat_interleave(params.n, 0),
+            )
         if iteration >= 0:  # a training rollout: the policy update comes next
             self.engine.sleep()
         return batch

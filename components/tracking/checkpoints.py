@@ -16,8 +16,9 @@ import re
 import shutil
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -74,12 +75,14 @@ def load_optimizer(directory: Path, name: str) -> dict | None:
     """The optimizer state saved by save_optimizer, or None when the checkpoint has none."""
     if not (directory / f"{name}.safetensors").is_file():
         return None
-    return unflatten_optimizer(load_file(directory / f"{name}.safetensors"),
-                               json.loads((directory / f"{name}.json").read_text()))
+    return unflatten_optimizer(
+        load_file(directory / f"{name}.safetensors"), json.loads((directory / f"{name}.json").read_text())
+    )
 
 
-def save_checkpoint(root: str | Path, iteration: int, write_files: Callable[[Path], Any], state: dict,
-                    keep: int | None = None) -> Path:
+def save_checkpoint(
+    root: str | Path, iteration: int, write_files: Callable[[Path], Any], state: dict, keep: int | None = None
+) -> Path:
     """Write checkpoint `iteration` atomically and move `latest` to it; returns its directory.
 
     write_files(tmp_dir) writes the worker's part (model, optimizer, worker state); state.json and the
@@ -99,7 +102,10 @@ def save_checkpoint(root: str | Path, iteration: int, write_files: Callable[[Pat
         state = {**state, "iteration": iteration, "save_seconds": time.perf_counter() - start}
         (tmp / "state.json").write_text(json.dumps(state, sort_keys=True, indent=2))
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        manifest = {"iteration": iteration, "files": {p.relative_to(tmp).as_posix(): sha256(p) for p in files}}
+        manifest = {
+            "iteration": iteration,
+            "files": {p.relative_to(tmp).as_posix(): sha256(p) for p in files},
+        }
         (tmp / MANIFEST).write_text(json.dumps(manifest, sort_keys=True, indent=2))
         _fsync_tree(tmp)
         replace_dir(tmp, final)
@@ -110,7 +116,7 @@ def save_checkpoint(root: str | Path, iteration: int, write_files: Callable[[Pat
     write_atomic(root / "latest", lambda t: Path(t).write_text(name + "\n"))
     if keep:
         older = sorted(c for c in root.glob("iter_*") if _NAME.match(c.name) and c.name < name)
-        for old in older[:max(len(older) - (keep - 1), 0)]:
+        for old in older[: max(len(older) - (keep - 1), 0)]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -141,8 +147,9 @@ def _files_on_disk(ckpt: Path) -> set[str]:
             p = Path(parent) / name
             st = os.lstat(p)
             if stat.S_ISLNK(st.st_mode):
-                raise CheckpointError(f"{ckpt}: {p.relative_to(ckpt)} is a symlink; a checkpoint holds regular "
-                                      "files only")
+                raise CheckpointError(
+                    f"{ckpt}: {p.relative_to(ckpt)} is a symlink; a checkpoint holds regular files only"
+                )
             if name in files and not stat.S_ISREG(st.st_mode):
                 raise CheckpointError(f"{ckpt}: {p.relative_to(ckpt)} is not a regular file")
             if name in files:
@@ -158,15 +165,19 @@ def _manifest(ckpt: Path) -> dict[str, str]:
     try:
         files = json.loads(path.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{ckpt}: {MANIFEST} is malformed ({type(exc).__name__}); the checkpoint is "
-                              "corrupt") from None
-    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise CheckpointError(
+            f"{ckpt}: {MANIFEST} is malformed ({type(exc).__name__}); the checkpoint is corrupt"
+        ) from None
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in files.items()
+    ):
         raise CheckpointError(f"{ckpt}: {MANIFEST} is malformed (files is not a name -> sha256 mapping)")
     for name in files:
         parts = name.split("/")
         if name.startswith("/") or "\\" in name or any(part in ("", ".", "..") for part in parts):
-            raise CheckpointError(f"{ckpt}: {MANIFEST} names {name!r}, which is not a plain path inside the "
-                                  "checkpoint")
+            raise CheckpointError(
+                f"{ckpt}: {MANIFEST} names {name!r}, which is not a plain path inside the checkpoint"
+            )
     return files
 
 
@@ -185,8 +196,9 @@ def verify(ckpt: Path) -> dict:
         raise CheckpointError(f"{ckpt}: {what}; the checkpoint is incomplete or was altered")
     pickled = [n for n in files if n.endswith(PICKLE_SUFFIXES)]
     if pickled:
-        raise CheckpointError(f"{ckpt}: {pickled[0]} is a pickle-format file; checkpoints hold safetensors and "
-                              "JSON only")
+        raise CheckpointError(
+            f"{ckpt}: {pickled[0]} is a pickle-format file; checkpoints hold safetensors and JSON only"
+        )
     absent = [name for name in REQUIRED if name not in files]
     if not any(n.startswith("model/") and n.endswith(".safetensors") for n in files):
         absent.append("model/*.safetensors")
@@ -218,13 +230,22 @@ def pointer_target(root: Path) -> Path | None:
 
 
 # config.json keys that fix the shapes of a model's tensors
-SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+)
 
 
 def check_same_shapes(ckpt: Path, model_path: str | Path, key: str = "actor.model.path") -> None:
     """CheckpointError when the checkpoint's model and the one at `model_path` differ in any SHAPE_KEYS (its
     weights would not load into the policy), naming each differing key."""
+
     def shape(config: Path) -> dict:
         try:
             data = json.loads(config.read_text())
@@ -235,9 +256,11 @@ def check_same_shapes(ckpt: Path, model_path: str | Path, key: str = "actor.mode
     theirs, ours = shape(ckpt / "model" / "config.json"), shape(Path(model_path) / "config.json")
     differ = [f"{k} {theirs[k]} vs {ours[k]}" for k in SHAPE_KEYS if theirs.get(k) != ours.get(k)]
     if theirs and ours and differ:
-        raise CheckpointError(f"{ckpt}: its model differs in shape from {key}={model_path} ({', '.join(differ)}), "
-                              "so it cannot be resumed into this policy. Resume a checkpoint of this model, or start "
-                              "fresh with trainer.resume_mode=disable.")
+        raise CheckpointError(
+            f"{ckpt}: its model differs in shape from {key}={model_path} ({', '.join(differ)}), "
+            "so it cannot be resumed into this policy. Resume a checkpoint of this model, or start "
+            "fresh with trainer.resume_mode=disable."
+        )
 
 
 def latest(root: str | Path) -> Path | None:
@@ -262,8 +285,11 @@ def load_state(ckpt: Path) -> tuple[dict, dict | None]:
 
 def clean_partial(root: str | Path) -> list[Path]:
     """Remove what interrupted saves left behind (.tmp_* directories and files); returns what was removed."""
-    gone = sorted(Path(root).glob(".tmp_*")) + sorted(Path(root).glob(".old_*")) + \
-        sorted(Path(root).glob(".latest.*.tmp"))
+    gone = (
+        sorted(Path(root).glob(".tmp_*"))
+        + sorted(Path(root).glob(".old_*"))
+        + sorted(Path(root).glob(".latest.*.tmp"))
+    )
     for p in gone:
         shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
     return gone
@@ -282,7 +308,8 @@ def find_resumable(root: str | Path, fingerprint: str | None = None) -> tuple[Pa
     elif named is not None and not named.is_dir():
         skipped.append(f"`latest` names {named.name}, which does not exist")
     candidates = ([named] if named is not None else []) + sorted(
-        (c for c in root.glob("iter_*") if _NAME.match(c.name)), reverse=True)
+        (c for c in root.glob("iter_*") if _NAME.match(c.name)), reverse=True
+    )
     bad: list[str] = []
     for ckpt in dict.fromkeys(c for c in candidates if c.is_dir() or c.is_symlink()):
         try:
@@ -295,6 +322,9 @@ def find_resumable(root: str | Path, fingerprint: str | None = None) -> tuple[Pa
             continue
         return ckpt, skipped + bad
     if bad:
-        raise CheckpointError(f"no checkpoint under {root} verifies: " + "; ".join(bad) +
-                              ". Restore one, or start fresh with trainer.resume_mode=disable.")
+        raise CheckpointError(
+            f"no checkpoint under {root} verifies: "
+            + "; ".join(bad)
+            + ". Restore one, or start fresh with trainer.resume_mode=disable."
+        )
     return None, skipped

@@ -33,8 +33,12 @@ def metric_name(name: str) -> str:
 
 def git_commit(root: Path = PROJECT_ROOT) -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -50,7 +54,7 @@ def setup(experiment: str, root: Path = PROJECT_ROOT) -> str:
         return exp.experiment_id
     location = None
     if uri.startswith("sqlite:///"):  # artifacts beside the database file
-        location = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts" / experiment).resolve().as_uri()
+        location = (Path(uri[len("sqlite:///") :]).parent / "mlartifacts" / experiment).resolve().as_uri()
     return client.create_experiment(experiment, artifact_location=location)
 
 
@@ -85,8 +89,9 @@ class Tracker:
         """A model directory as an MLflow logged model of this run: its files are copied to the model's own
         artifact location (models/<id>/artifacts), which no later run writes, so a registered version that
         points at it never changes. Returns the model id."""
-        model = self.client.create_logged_model(self.experiment_id, name=name, source_run_id=self.run_id,
-                                                model_type="transformers")
+        model = self.client.create_logged_model(
+            self.experiment_id, name=name, source_run_id=self.run_id, model_type="transformers"
+        )
         try:
             self.client.log_model_artifacts(model.model_id, str(local_dir))
         except BaseException:
@@ -97,7 +102,11 @@ class Tracker:
 
     def _already_logged(self) -> set[tuple[str, int]]:
         run = self.client.get_run(self.run_id)
-        return {(key, m.step) for key in run.data.metrics for m in self.client.get_metric_history(self.run_id, key)}
+        return {
+            (key, m.step)
+            for key in run.data.metrics
+            for m in self.client.get_metric_history(self.run_id, key)
+        }
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -105,7 +114,7 @@ class Tracker:
         existing = self.client.get_run(self.run_id).data.params
         fresh = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in existing]
         for i in range(0, len(fresh), 100):
-            self.client.log_batch(self.run_id, params=fresh[i:i + 100])
+            self.client.log_batch(self.run_id, params=fresh[i : i + 100])
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
@@ -115,14 +124,17 @@ class Tracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> bool:
         """Queue the metrics at `step` not logged there before, in batches (flush() stores them); False when
         there was none new."""
-        from mlflow.entities import Metric
         import time
 
+        from mlflow.entities import Metric
+
         now = int(time.time() * 1000)
-        fresh = {metric_name(k): float(v) for k, v in metrics.items() if (metric_name(k), step) not in self._logged}
+        fresh = {
+            metric_name(k): float(v) for k, v in metrics.items() if (metric_name(k), step) not in self._logged
+        }
         items = [Metric(k, v, now, step) for k, v in fresh.items()]
         for i in range(0, len(items), 500):
-            op = self.client.log_batch(self.run_id, metrics=items[i:i + 500], synchronous=False)
+            op = self.client.log_batch(self.run_id, metrics=items[i : i + 500], synchronous=False)
             if op is not None:
                 self._pending.append(op)
         self._logged |= {(k, step) for k in fresh}
@@ -137,12 +149,15 @@ class Tracker:
     def log_summary(self, metrics: dict[str, float], model_id: str | None = None) -> None:
         """Metrics outside the per-iteration series (final evaluations), logged at step 0 of their own names;
         with `model_id`, linked to that logged model."""
-        from mlflow.entities import Metric
         import time
 
+        from mlflow.entities import Metric
+
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(metric_name(k), float(v), now, 0, model_id=model_id)
-                                                    for k, v in metrics.items()])
+        self.client.log_batch(
+            self.run_id,
+            metrics=[Metric(metric_name(k), float(v), now, 0, model_id=model_id) for k, v in metrics.items()],
+        )
 
     def log_artifacts(self, local_dir: str | Path, artifact_path: str) -> None:
         self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)

@@ -8,8 +8,8 @@ champion's measured on the same evaluation set (the same file, the same rows): t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
@@ -45,12 +45,16 @@ def download_version(name: str, version: str, dst: str | Path) -> Path:
     client = _client()
     source = client.get_model_version(name, version).source  # models:/<logged model id>
     location = client.get_logged_model(source.removeprefix("models:/")).artifact_location
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=location, dst_path=str(dst),
-                                                    tracking_uri=default_tracking_uri()))
+    return Path(
+        mlflow.artifacts.download_artifacts(
+            artifact_uri=location, dst_path=str(dst), tracking_uri=default_tracking_uri()
+        )
+    )
 
 
-def register_candidate(name: str, model_id: str, run_id: str, acc: float, eval_set: str,
-                       measure: Callable[[str], float]) -> dict:
+def register_candidate(
+    name: str, model_id: str, run_id: str, acc: float, eval_set: str, measure: Callable[[str], float]
+) -> dict:
     """Register logged model `model_id` (held-out accuracy `acc` on the evaluation set `eval_set`, a digest of
     the file and rows) as a new version of `name` and decide its alias. The champion's accuracy is the one it
     was registered with when that was measured on the same set; otherwise `measure(version)` measures it now
@@ -61,8 +65,13 @@ def register_candidate(name: str, model_id: str, run_id: str, acc: float, eval_s
     except MlflowException:
         pass  # already exists
     current = champion(name)
-    version = client.create_model_version(name, f"models:/{model_id}", run_id=run_id, model_id=model_id,
-                                          tags={ACC: str(acc), EVAL_SET: eval_set}).version
+    version = client.create_model_version(
+        name,
+        f"models:/{model_id}",
+        run_id=run_id,
+        model_id=model_id,
+        tags={ACC: str(acc), EVAL_SET: eval_set},
+    ).version
     version = str(version)
     if current is None:
         decision = {"alias": CHAMPION, "reason": "the first version of this model"}
@@ -70,11 +79,22 @@ def register_candidate(name: str, model_id: str, run_id: str, acc: float, eval_s
         same_set = current.tags.get(EVAL_SET) == eval_set and ACC in current.tags
         champ_acc = float(current.tags[ACC]) if same_set else measure(str(current.version))
         better = acc > champ_acc
-        decision = {"alias": CHAMPION if better else CHALLENGER, "champion_version": str(current.version),
-                    "champion_acc": champ_acc, "champion_acc_measured_now": not same_set,
-                    "reason": f"acc {acc:.4f} {'beats' if better else 'does not beat'} the champion's "
-                              f"{champ_acc:.4f} on the same evaluation set"}
+        decision = {
+            "alias": CHAMPION if better else CHALLENGER,
+            "champion_version": str(current.version),
+            "champion_acc": champ_acc,
+            "champion_acc_measured_now": not same_set,
+            "reason": f"acc {acc:.4f} {'beats' if better else 'does not beat'} the champion's "
+            f"{champ_acc:.4f} on the same evaluation set",
+        }
     client.set_registered_model_alias(name, decision["alias"], version)
     for key, value in decision.items():
         client.set_model_version_tag(name, version, f"decision.{key}", str(value))
-    return {"name": name, "version": version, "acc": acc, "eval_set": eval_set, "model_id": model_id, **decision}
+    return {
+        "name": name,
+        "version": version,
+        "acc": acc,
+        "eval_set": eval_set,
+        "model_id": model_id,
+        **decision,
+    }

@@ -42,11 +42,18 @@ class Fingerprint:
         """The keys whose value in a checkpoint's state differs from this fingerprint's."""
         theirs = {**state.get("fingerprint_config", {}), **state.get("fingerprint_inputs", {})}
         ours = {**self.config, **self.inputs}
-        return [f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in sorted(set(ours) | set(theirs))
-                if theirs.get(k) != ours.get(k)]
+        return [
+            f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}"
+            for k in sorted(set(ours) | set(theirs))
+            if theirs.get(k) != ours.get(k)
+        ]
 
     def state(self) -> dict:
-        return {"fingerprint": self.digest, "fingerprint_config": self.config, "fingerprint_inputs": self.inputs}
+        return {
+            "fingerprint": self.digest,
+            "fingerprint_config": self.config,
+            "fingerprint_inputs": self.inputs,
+        }
 
 
 @dataclass
@@ -114,11 +121,18 @@ def _fewer(iterations: int, ckpt: Path, iteration: int) -> ConfigError:
         f"trainer.iterations={iterations} is fewer than the {iteration} iterations checkpoint {ckpt} of this "
         "configuration already holds, so there is nothing to train and nothing was written. Raise "
         "trainer.iterations to extend that run, set trainer.resume_mode=disable to train a new run from the "
-        "start (in a directory of its own), or use another trainer.output_dir.")
+        "start (in a directory of its own), or use another trainer.output_dir."
+    )
 
 
-def plan_run(output_dir: str | Path, fingerprint: Fingerprint, resume_mode: str, iterations: int,
-             accept_mismatch: bool = False, when_finished: str = "stop") -> ResumePlan:
+def plan_run(
+    output_dir: str | Path,
+    fingerprint: Fingerprint,
+    resume_mode: str,
+    iterations: int,
+    accept_mismatch: bool = False,
+    when_finished: str = "stop",
+) -> ResumePlan:
     """Decide, before anything is written, what this training run continues (see the module docstring).
     `when_finished` = retrain (the nightly): a finished run of this configuration is not an error but the
     start of a new run directory. Raises ConfigError or CheckpointError with the fix."""
@@ -137,13 +151,17 @@ def plan_run(output_dir: str | Path, fingerprint: Fingerprint, resume_mode: str,
             raise _fewer(iterations, ckpt, state["iteration"])
         if _finished(state, info) and state["iteration"] == iterations:
             if when_finished == "retrain":
-                return ResumePlan(new_run_dir(output_dir, fingerprint.digest), notes=notes + [
-                    f"{run_dir.name} already finished {iterations} iterations; training a new run"])
+                return ResumePlan(
+                    new_run_dir(output_dir, fingerprint.digest),
+                    notes=notes
+                    + [f"{run_dir.name} already finished {iterations} iterations; training a new run"],
+                )
             raise ConfigError(
                 f"{run_dir} already finished all {iterations} iterations of this configuration (MLflow run "
                 f"{info.get('mlflow_run_id')}), so there is nothing to train and nothing was written. Raise "
                 "trainer.iterations to extend it, or set trainer.resume_mode=disable to train a new run from the "
-                "start in a directory of its own.")
+                "start in a directory of its own."
+            )
         return _continue(run_dir, ckpt, state, notes)
     return ResumePlan(new_run_dir(output_dir, fingerprint.digest), notes=notes)
 
@@ -155,8 +173,9 @@ def _continue(run_dir: Path, ckpt: Path, state: dict, notes: list[str]) -> Resum
     return ResumePlan(run_dir, ckpt, state, state.get("mlflow_run_id"), notes=notes)
 
 
-def _plan_explicit(ckpt: Path, fingerprint: Fingerprint, iterations: int, accept_mismatch: bool,
-                   output_dir: Path) -> ResumePlan:
+def _plan_explicit(
+    ckpt: Path, fingerprint: Fingerprint, iterations: int, accept_mismatch: bool, output_dir: Path
+) -> ResumePlan:
     """trainer.resume_mode=<checkpoint>: verified, and its fingerprint compared key by key like auto's. A
     checkpoint of this configuration in a run directory of this output continues there; any other (accepted
     knowingly, or copied from elsewhere) starts a new run directory and a new MLflow run from its state, so
@@ -170,14 +189,18 @@ def _plan_explicit(ckpt: Path, fingerprint: Fingerprint, iterations: int, accept
         raise CheckpointError(
             f"trainer.resume_mode={ckpt}: that checkpoint was made with another configuration or data ({shown}), "
             "so continuing it would not be this run. Resume a checkpoint of this configuration (resume_mode=auto), "
-            "or set trainer.resume_accept_mismatch=true to continue it knowingly (in a new run directory).")
+            "or set trainer.resume_accept_mismatch=true to continue it knowingly (in a new run directory)."
+        )
     if state["iteration"] > iterations:
         raise _fewer(iterations, ckpt, state["iteration"])
     run_dir = ckpt.resolve().parent.parent
     if same and run_dir in [d.resolve() for d in run_dirs(output_dir, fingerprint.digest)]:
         return _continue(run_dir, ckpt, state, [])
-    note = f"continuing {ckpt} of another configuration ({'; '.join(differ[:5])})" if differ else \
-        f"continuing {ckpt}, a checkpoint from outside this output directory"
+    note = (
+        f"continuing {ckpt} of another configuration ({'; '.join(differ[:5])})"
+        if differ
+        else f"continuing {ckpt}, a checkpoint from outside this output directory"
+    )
     return ResumePlan(new_run_dir(output_dir, fingerprint.digest), ckpt, state, notes=[note])
 
 
@@ -185,17 +208,27 @@ def start_info(plan: ResumePlan, fingerprint: Fingerprint, iterations: int, mlfl
     """run.json at the start of a run (or of an extension): what it trains and where it logs."""
     info = read_info(plan.run_dir)
     runs = list(dict.fromkeys([*info.get("mlflow_runs", []), mlflow_run_id]))
-    return write_info(plan.run_dir, fingerprint=fingerprint.digest, fingerprint_config=fingerprint.config,
-                      fingerprint_inputs=fingerprint.inputs, iterations=iterations, status="running",
-                      created=info.get("created", time.time()), mlflow_run_id=mlflow_run_id, mlflow_runs=runs)
+    return write_info(
+        plan.run_dir,
+        fingerprint=fingerprint.digest,
+        fingerprint_config=fingerprint.config,
+        fingerprint_inputs=fingerprint.inputs,
+        iterations=iterations,
+        status="running",
+        created=info.get("created", time.time()),
+        mlflow_run_id=mlflow_run_id,
+        mlflow_runs=runs,
+    )
 
 
 def finished_run(output_dir: str | Path, digest: str) -> Path:
     """The newest finished run of a fingerprint (for evaluation); DataError-like ConfigError when none is."""
     done = [d for d in run_dirs(output_dir, digest) if read_info(d).get("status") == "finished"]
     if not done:
-        raise ConfigError(f"trainer.output_dir={output_dir} holds no finished run of this configuration; run "
-                          "`reinforge train` with it first (or evaluate a model directly with --model_path).")
+        raise ConfigError(
+            f"trainer.output_dir={output_dir} holds no finished run of this configuration; run "
+            "`reinforge train` with it first (or evaluate a model directly with --model_path)."
+        )
     return done[-1]
 
 

@@ -13,8 +13,8 @@ from transformers import PreTrainedModel
 
 from components.algorithms.losses import POLICY_LOSSES, AggParams, PolicyLossParams, agg_loss, kl_penalty
 from components.batch import Batch
-from components.training.logprobs import batch_logprobs, response_attention, response_logprobs
 from components.training.distributed import Comm
+from components.training.logprobs import batch_logprobs, response_attention, response_logprobs
 from components.training.loop import LoopSettings, minibatch_update
 
 
@@ -34,17 +34,30 @@ def update_settings(cfg, algo) -> UpdateSettings:
     """The update of the config's actor under the resolved algorithm `algo` (autocast as configured; on FSDP's
     parameter dtype the policy worker turns it off)."""
     a = cfg.algorithm
-    loop = LoopSettings(ppo_epochs=cfg.actor.ppo_epochs, mini_batch_size=cfg.actor.ppo_mini_batch_size,
-                        micro_batch_size=cfg.actor.ppo_micro_batch_size,
-                        max_tokens=cfg.actor.ppo_max_token_len_per_worker, grad_clip=cfg.actor.optimizer.grad_clip,
-                        norm_const=float(cfg.engine.max_new_tokens), seed=cfg.trainer.seed)
+    loop = LoopSettings(
+        ppo_epochs=cfg.actor.ppo_epochs,
+        mini_batch_size=cfg.actor.ppo_mini_batch_size,
+        micro_batch_size=cfg.actor.ppo_micro_batch_size,
+        max_tokens=cfg.actor.ppo_max_token_len_per_worker,
+        grad_clip=cfg.actor.optimizer.grad_clip,
+        norm_const=float(cfg.engine.max_new_tokens),
+        seed=cfg.trainer.seed,
+    )
     return UpdateSettings(
-        loop=loop, temperature=cfg.engine.temperature or 1.0,
-        beta=a.kl_loss_coef if algo.use_kl_loss else 0.0, kl_loss_type=algo.kl_loss_type,
-        entropy_coeff=a.entropy_coeff, policy_loss=algo.policy_loss,
-        loss=PolicyLossParams(clip_low=a.clip_epsilon, clip_high=algo.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-                              agg_mode=algo.loss_agg_mode),
-        autocast_dtype=cfg.mixed_precision.dtype if cfg.mixed_precision.enabled else None)
+        loop=loop,
+        temperature=cfg.engine.temperature or 1.0,
+        beta=a.kl_loss_coef if algo.use_kl_loss else 0.0,
+        kl_loss_type=algo.kl_loss_type,
+        entropy_coeff=a.entropy_coeff,
+        policy_loss=algo.policy_loss,
+        loss=PolicyLossParams(
+            clip_low=a.clip_epsilon,
+            clip_high=algo.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c,
+            agg_mode=algo.loss_agg_mode,
+        ),
+        autocast_dtype=cfg.mixed_precision.dtype if cfg.mixed_precision.enabled else None,
+    )
 
 
 def autocast(model: torch.nn.Module, dtype_name: str | None):
@@ -56,8 +69,16 @@ def autocast(model: torch.nn.Module, dtype_name: str | None):
 class PolicyTrainer:
     """Owns the policy, its optimizer and the frozen reference; `update(batch)` runs one RL update."""
 
-    def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel | None, optimizer, scheduler,
-                 settings: UpdateSettings, comm: Comm | None = None, scaler: torch.amp.GradScaler | None = None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        ref_model: PreTrainedModel | None,
+        optimizer,
+        scheduler,
+        settings: UpdateSettings,
+        comm: Comm | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+    ):
         self.model, self.ref_model = model, ref_model
         self.optimizer, self.scheduler, self.s = optimizer, scheduler, settings
         self.comm, self.scaler = comm or Comm(), scaler
@@ -65,8 +86,15 @@ class PolicyTrainer:
 
     def _logprobs(self, model, b: Batch, entropy: bool = False):
         t = b.tensors
-        return response_logprobs(model, t["prompts"], t["prompt_mask"], t["responses"], response_attention(t),
-                                 self.s.temperature, with_entropy=entropy)
+        return response_logprobs(
+            model,
+            t["prompts"],
+            t["prompt_mask"],
+            t["responses"],
+            response_attention(t),
+            self.s.temperature,
+            with_entropy=entropy,
+        )
 
     def off_policy(self, n_rows: int) -> bool:
         """More than one optimizer step per batch, so the ratio to the behaviour policy moves off 1."""
@@ -94,11 +122,15 @@ class PolicyTrainer:
         with autocast(self.model, self.s.autocast_dtype):
             logp, entropy = self._logprobs(self.model, mb, entropy=True)
         old = t["old_logprobs"] if "old_logprobs" in t else logp.detach()
-        pg_loss, metrics = POLICY_LOSSES.get(self.s.policy_loss)(logp, old, t["advantages"], mask, self.s.loss, agg)
+        pg_loss, metrics = POLICY_LOSSES.get(self.s.policy_loss)(
+            logp, old, t["advantages"], mask, self.s.loss, agg
+        )
         ent = agg_loss(entropy, mask, mode, agg)
         loss = pg_loss - self.s.entropy_coeff * ent if self.s.entropy_coeff else pg_loss
         metrics = {**metrics, "actor/pg_loss": pg_loss.detach(), "actor/entropy": ent.detach()}
-        if "rollout_logprobs" in t:  # how far the engine's sampling probabilities are from the trainer's forward
+        if (
+            "rollout_logprobs" in t
+        ):  # how far the engine's sampling probabilities are from the trainer's forward
             diff = (t["rollout_logprobs"].exp() - old.exp()).abs()
             metrics["training/rollout_probs_diff_mean"] = agg_loss(diff, mask, "token-mean", agg).detach()
         if self.s.beta > 0 and "ref_logprobs" in t:
@@ -111,8 +143,18 @@ class PolicyTrainer:
         """One RL update on `batch` (needs prompts, prompt_mask, responses, response_mask, advantages)."""
         batch = self.prepare(batch)
         self.model.train()
-        metrics = minibatch_update(batch, self.model, self.optimizer, self.scheduler, self.s.loop, self.steps,
-                                   self._micro_loss, "actor", self.comm, self.scaler)
+        metrics = minibatch_update(
+            batch,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.s.loop,
+            self.steps,
+            self._micro_loss,
+            "actor",
+            self.comm,
+            self.scaler,
+        )
         if self.s.beta > 0:
             metrics["actor/kl_coef"] = self.s.beta
         self.steps += 1

@@ -8,8 +8,8 @@ from transformers import PreTrainedModel
 
 from components.algorithms.losses import AggParams, value_loss
 from components.batch import Batch
-from components.training.logprobs import response_attention, sequence_inputs
 from components.training.distributed import Comm
+from components.training.logprobs import response_attention, sequence_inputs
 from components.training.loop import LoopSettings, minibatch_update, row_chunks
 
 
@@ -28,17 +28,26 @@ class ValueModel(torch.nn.Module):
         """(N, P) left-padded prompts, (N, R) responses -> values (N, R) float32, 0 on padding."""
         ids, mask, positions = sequence_inputs(prompts, prompt_mask, responses, response_mask)
         P, R = prompts.shape[1], responses.shape[1]
-        hidden = self.backbone(input_ids=ids, attention_mask=mask, position_ids=positions,
-                               use_cache=False).last_hidden_state  # (N, P+R, H)
-        values = self.head(hidden[:, P - 1:P + R - 1, :]).squeeze(-1).float()  # (N, R)
+        hidden = self.backbone(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
+        ).last_hidden_state  # (N, P+R, H)
+        values = self.head(hidden[:, P - 1 : P + R - 1, :]).squeeze(-1).float()  # (N, R)
         return values * response_mask
 
 
 class CriticTrainer:
     """Owns the value model and its optimizer. `values(batch)` before the advantages, `update(batch)` after."""
 
-    def __init__(self, model: ValueModel, optimizer, scheduler, loop: LoopSettings, cliprange: float,
-                 agg_mode: str = "token-mean", comm: Comm | None = None):
+    def __init__(
+        self,
+        model: ValueModel,
+        optimizer,
+        scheduler,
+        loop: LoopSettings,
+        cliprange: float,
+        agg_mode: str = "token-mean",
+        comm: Comm | None = None,
+    ):
         self.model, self.optimizer, self.scheduler, self.comm = model, optimizer, scheduler, comm or Comm()
         self.loop, self.cliprange, self.agg_mode = loop, cliprange, agg_mode
         self.steps = 0
@@ -54,16 +63,31 @@ class CriticTrainer:
 
     def _micro_loss(self, mb: Batch, agg: AggParams):
         t = mb.tensors
-        loss, metrics = value_loss(self._forward(mb), t["values"], t["returns"], t["response_mask"].float(),
-                                   self.cliprange, self.agg_mode, agg)
+        loss, metrics = value_loss(
+            self._forward(mb),
+            t["values"],
+            t["returns"],
+            t["response_mask"].float(),
+            self.cliprange,
+            self.agg_mode,
+            agg,
+        )
         return loss, {**metrics, "critic/vf_loss": loss.detach()}
 
     def update(self, batch: Batch) -> dict[str, float]:
         """Fit V to `returns` (needs values from before the update, returns, response_mask)."""
         self.model.train()
-        metrics = minibatch_update(batch, self.model, self.optimizer, self.scheduler, self.loop, self.steps,
-                                   self._micro_loss, "critic", self.comm)
+        metrics = minibatch_update(
+            batch,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.loop,
+            self.steps,
+            self._micro_loss,
+            "critic",
+            self.comm,
+        )
         self.steps += 1
         self.model.eval()
         return metrics
-

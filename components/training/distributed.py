@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,12 +43,21 @@ def join_group(spec: GroupSpec) -> None:
     torch's launcher would (DeepSpeed reads them); with GPUs Ray gives each actor its own device, index 0."""
     import os
 
-    os.environ.update(RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size), MASTER_ADDR=spec.master_addr,
-                      MASTER_PORT=str(spec.master_port),
-                      LOCAL_RANK="0" if spec.backend == "nccl" else str(spec.rank))
+    os.environ.update(
+        RANK=str(spec.rank),
+        WORLD_SIZE=str(spec.world_size),
+        MASTER_ADDR=spec.master_addr,
+        MASTER_PORT=str(spec.master_port),
+        LOCAL_RANK="0" if spec.backend == "nccl" else str(spec.rank),
+    )
     if spec.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(spec.backend, init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
-                                rank=spec.rank, world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))
+        dist.init_process_group(
+            spec.backend,
+            init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=spec.timeout_s),
+        )
 
 
 class Comm:
@@ -102,7 +111,9 @@ class ParallelSettings:
     mp_dtype: torch.dtype | None = None  # fsdp's MixedPrecisionPolicy param dtype
     zero_stage: int = 2
     grad_clip: float = 1.0  # deepspeed clips inside its step
-    optimizer: Callable | None = None  # params -> torch optimizer, for deepspeed to wrap (ours: actor.optimizer)
+    optimizer: Callable | None = (
+        None  # params -> torch optimizer, for deepspeed to wrap (ours: actor.optimizer)
+    )
 
 
 # strategy name -> (model, settings) -> wrapped model (built before its optimizer)
@@ -133,8 +144,11 @@ def wrap_fsdp(model: torch.nn.Module, s: ParallelSettings) -> torch.nn.Module:
 
     device = next(model.parameters()).device.type
     if s.data_parallel_size > 1:
-        mesh = init_device_mesh(device, (s.data_parallel_size, s.world_size // s.data_parallel_size),
-                                mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(
+            device,
+            (s.data_parallel_size, s.world_size // s.data_parallel_size),
+            mesh_dim_names=("replicate", "shard"),
+        )
     else:
         mesh = init_device_mesh(device, (s.world_size,))
     kwargs: dict = {"mesh": mesh}
@@ -155,20 +169,31 @@ def wrap_deepspeed(model: torch.nn.Module, s: ParallelSettings) -> torch.nn.Modu
     try:
         import deepspeed
     except ImportError as exc:
-        raise ImportError("trainer.strategy=deepspeed needs the deepspeed package: pip install 'reinforge[gpu]' "
-                          f"(or set trainer.strategy=fsdp, which ships with torch): {exc}") from None
+        raise ImportError(
+            "trainer.strategy=deepspeed needs the deepspeed package: pip install 'reinforge[gpu]' "
+            f"(or set trainer.strategy=fsdp, which ships with torch): {exc}"
+        ) from None
     zero: dict = {"stage": s.zero_stage}
     if s.optimizer_offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     if s.param_offload and s.zero_stage == 3:
         zero["offload_param"] = {"device": "cpu"}
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": zero,
-              "gradient_clipping": s.grad_clip, "zero_allow_untested_optimizer": True,
-              "wall_clock_breakdown": False}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "gradient_clipping": s.grad_clip,
+        "zero_allow_untested_optimizer": True,
+        "wall_clock_breakdown": False,
+    }
     if s.mp_dtype is not None:
         config["bf16" if s.mp_dtype == torch.bfloat16 else "fp16"] = {"enabled": True}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=s.optimizer, config=config,
-                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=s.optimizer,
+        config=config,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+    )
     return engine
 
 
@@ -267,8 +292,10 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         with deepspeed.zero.GatheredParameters(list(model.module.parameters()), modifier_rank=None):
             state = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
         return state if dist.get_rank() == 0 else {}
-    return get_model_state_dict(unwrap(model) if hasattr(model, "no_sync") else model,
-                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(
+        unwrap(model) if hasattr(model, "no_sync") else model,
+        options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+    )
 
 
 def load_full_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -282,8 +309,11 @@ def load_full_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]
             if dist.get_rank() == 0:
                 model.module.load_state_dict(state)
         return
-    set_model_state_dict(unwrap(model) if hasattr(model, "no_sync") else model, state,
-                         options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(
+        unwrap(model) if hasattr(model, "no_sync") else model,
+        state,
+        options=StateDictOptions(full_state_dict=True),
+    )
 
 
 def full_optimizer_state(model: torch.nn.Module, optimizer) -> dict:
@@ -291,8 +321,11 @@ def full_optimizer_state(model: torch.nn.Module, optimizer) -> dict:
     checkpoint is the same whatever the number of workers; {} on other ranks."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    sd = get_optimizer_state_dict(unwrap(model) if hasattr(model, "no_sync") else model, optimizer,
-                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = get_optimizer_state_dict(
+        unwrap(model) if hasattr(model, "no_sync") else model,
+        optimizer,
+        options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+    )
     if not sd:
         return {}
     order = [name for group in sd["param_groups"] for name in group["params"]]
@@ -313,6 +346,7 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer, state: dict) ->
 
 
 # ---- adaptive gradient compression (DDP communication hooks) ----
+
 
 @dataclass(frozen=True)
 class CompressionChoice:
@@ -336,8 +370,9 @@ def measure_allreduce_gbps(nbytes: int = 1 << 22, repeats: int = 3, cap_gbps: fl
     return DistComm().min(gbps)
 
 
-def choose_compression(gbps: float, mode: str, fp16_below_gbps: float, powersgd_below_gbps: float
-                       ) -> CompressionChoice:
+def choose_compression(
+    gbps: float, mode: str, fp16_below_gbps: float, powersgd_below_gbps: float
+) -> CompressionChoice:
     """auto: none on a fast link, fp16 below fp16_below_gbps, PowerSGD below powersgd_below_gbps, its rank
     (how much of the gradient survives) 4 just below that, 2 below half of it, 1 below a quarter; other modes
     are taken as given (PowerSGD's rank still from the bandwidth)."""
@@ -356,8 +391,13 @@ def _fp16_hook():
 def _powersgd_hook(rank: int):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
-                                        use_error_feedback=True, warm_start=True)
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=rank,
+        start_powerSGD_iter=2,
+        use_error_feedback=True,
+        warm_start=True,
+    )
     return state, powerSGD_hook.powerSGD_hook
 
 

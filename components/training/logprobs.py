@@ -6,8 +6,9 @@ import torch
 from transformers import PreTrainedModel
 
 
-def sequence_inputs(prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
-                    response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sequence_inputs(
+    prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Concatenate left-padded prompts (N, P) and right-padded responses (N, R) -> ids, mask, positions (N, P+R)."""
     ids = torch.cat([prompts, responses], dim=1)
     mask = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
@@ -21,9 +22,15 @@ def response_attention(t: dict[str, torch.Tensor]) -> torch.Tensor:
     return t.get("response_attention_mask", t["response_mask"])
 
 
-def response_logprobs(model: PreTrainedModel, prompts: torch.Tensor, prompt_mask: torch.Tensor,
-                      responses: torch.Tensor, response_mask: torch.Tensor, temperature: float = 1.0,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_logprobs(
+    model: PreTrainedModel,
+    prompts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(response_t | prefix) (N, R) and, if asked, the entropy of each step's distribution (N, R).
 
     Logits are divided by the sampling temperature, as the rollout engine did when it sampled.
@@ -31,7 +38,7 @@ def response_logprobs(model: PreTrainedModel, prompts: torch.Tensor, prompt_mask
     ids, mask, positions = sequence_inputs(prompts, prompt_mask, responses, response_mask)
     P, R = prompts.shape[1], responses.shape[1]
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-    logits = logits[:, P - 1:P + R - 1, :].float()  # (N, R, V): position t predicts response token t
+    logits = logits[:, P - 1 : P + R - 1, :].float()  # (N, R, V): position t predicts response token t
     if temperature not in (0, 1):
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -43,7 +50,9 @@ def response_logprobs(model: PreTrainedModel, prompts: torch.Tensor, prompt_mask
 
 
 @torch.no_grad()
-def batch_logprobs(model: PreTrainedModel, batch, temperature: float, micro_batch_size: int | None) -> torch.Tensor:
+def batch_logprobs(
+    model: PreTrainedModel, batch, temperature: float, micro_batch_size: int | None
+) -> torch.Tensor:
     """Log-probs (N, R) of a Batch's responses, micro_batch_size rows per forward pass (None = all at once)."""
     from components.training.loop import row_chunks
 
@@ -51,8 +60,11 @@ def batch_logprobs(model: PreTrainedModel, batch, temperature: float, micro_batc
     parts = []
     for p in row_chunks(batch, micro_batch_size):
         t = p.tensors
-        parts.append(response_logprobs(model, t["prompts"], t["prompt_mask"], t["responses"], response_attention(t),
-                                       temperature)[0])
+        parts.append(
+            response_logprobs(
+                model, t["prompts"], t["prompt_mask"], t["responses"], response_attention(t), temperature
+            )[0]
+        )
     return torch.cat(parts)
 
 
@@ -65,7 +77,12 @@ def engine_logprob_gaps(model: PreTrainedModel, prompts: list[list[int]], out, p
     n = len(out.responses) // len(prompts)
     prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_id)
     device = next(model.parameters()).device
-    ours, _ = response_logprobs(model, prompt_ids.to(device), prompt_mask.to(device), out.responses.to(device),
-                                out.response_mask.to(device))
+    ours, _ = response_logprobs(
+        model,
+        prompt_ids.to(device),
+        prompt_mask.to(device),
+        out.responses.to(device),
+        out.response_mask.to(device),
+    )
     mask = out.response_mask.bool()
     return (ours.cpu()[mask] - out.logprobs[mask]).abs()

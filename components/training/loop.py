@@ -13,8 +13,8 @@ longest prompt and response, so padding columns no row needs are never computed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -28,8 +28,18 @@ from components.training.logprobs import response_attention
 MicroLoss = Callable[[Batch, AggParams], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 # tensors aligned with the response tokens (N, R): cut with the responses
-TOKEN_KEYS = ("responses", "response_mask", "response_attention_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs", "advantages",
-              "returns", "token_rewards", "values")
+TOKEN_KEYS = (
+    "responses",
+    "response_mask",
+    "response_attention_mask",
+    "rollout_logprobs",
+    "old_logprobs",
+    "ref_logprobs",
+    "advantages",
+    "returns",
+    "token_rewards",
+    "values",
+)
 
 
 @dataclass(frozen=True)
@@ -94,9 +104,18 @@ def micro_batches(b: Batch, size: int | None, max_tokens: int | None = None) -> 
     return [trim_padding(p) for p in row_chunks(b, size)]
 
 
-def minibatch_update(batch: Batch, model: torch.nn.Module, optimizer, scheduler, s: LoopSettings, step: int,
-                     micro_loss: MicroLoss, prefix: str, comm: Comm | None = None,
-                     scaler: torch.amp.GradScaler | None = None) -> dict[str, float]:
+def minibatch_update(
+    batch: Batch,
+    model: torch.nn.Module,
+    optimizer,
+    scheduler,
+    s: LoopSettings,
+    step: int,
+    micro_loss: MicroLoss,
+    prefix: str,
+    comm: Comm | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> dict[str, float]:
     """Run s.ppo_epochs passes over the (whole) `batch`; returns each metric averaged over optimizer steps
     (summed over workers), with `{prefix}/grad_norm` (before clipping) and `{prefix}/lr`. The shuffle is
     seeded by (seed, step), the same on every worker; of each mini-batch a worker takes its token-balanced
@@ -108,9 +127,11 @@ def minibatch_update(batch: Batch, model: torch.nn.Module, optimizer, scheduler,
     sums: dict[str, float] = {}
     grad_norms, lrs = [], []
     for _ in range(s.ppo_epochs):
-        order = torch.randperm(len(batch), generator=gen) if mini_size < len(batch) else torch.arange(len(batch))
+        order = (
+            torch.randperm(len(batch), generator=gen) if mini_size < len(batch) else torch.arange(len(batch))
+        )
         for start in range(0, len(batch), mini_size):
-            mini = batch.select(order[start:start + mini_size])
+            mini = batch.select(order[start : start + mini_size])
             if comm.world_size > 1:
                 mini = mini.select(balanced_shards(mini, comm.world_size)[comm.rank])
             tokens, rows = comm.sum([float(mini.tensors["response_mask"].sum()), float(len(mini))])

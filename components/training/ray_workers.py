@@ -46,10 +46,19 @@ def ensure_ray() -> None:
         # (each runs trainer.num_threads threads); "local": a new instance even when `ray start` left its address;
         # no idle workers started ahead, not even the two for the first driver (each is a Python process of
         # ~80 MB that a run never uses)
-        ray.init(address="local", num_cpus=max(8, os.cpu_count() or 2), include_dashboard=False,
-                 runtime_env=runtime_env, log_to_driver=True, configure_logging=False,
-                 _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False,
-                                 "worker_niceness": 0})
+        ray.init(
+            address="local",
+            num_cpus=max(8, os.cpu_count() or 2),
+            include_dashboard=False,
+            runtime_env=runtime_env,
+            log_to_driver=True,
+            configure_logging=False,
+            _system_config={
+                "enable_worker_prestart": False,
+                "prestart_worker_first_driver": False,
+                "worker_niceness": 0,
+            },
+        )
     reclaim_signals()
 
 
@@ -96,9 +105,11 @@ class Actors:
         except ray.exceptions.GetTimeoutError:
             for pid in self.pids:
                 kill_tree(pid)
-            raise StageTimeout(f"{self.role} worker: {what} did not finish within {self.timeout_s:g} s "
-                               f"(trainer.stage_timeout_s); its processes (pids {self.pids}) and every process "
-                               "they started were killed") from None
+            raise StageTimeout(
+                f"{self.role} worker: {what} did not finish within {self.timeout_s:g} s "
+                f"(trainer.stage_timeout_s); its processes (pids {self.pids}) and every process "
+                "they started were killed"
+            ) from None
 
     def refresh_pids(self) -> None:
         """After Ray restarted an actor, its process is a new one."""
@@ -131,7 +142,9 @@ class PolicyGroup(Actors):
         if len(self.actors) == 1:
             return self._all("prepare", lambda a: a.prepare.remote(batch))[0]
         shards = balanced_shards(batch, len(self.actors))
-        results = self.wait([a.prepare.remote(batch.select(s)) for a, s in zip(self.actors, shards)], "prepare")
+        results = self.wait(
+            [a.prepare.remote(batch.select(s)) for a, s in zip(self.actors, shards)], "prepare"
+        )
         return _join_prepared(results, shards)
 
     def _whole(self, batch: Batch):
@@ -176,8 +189,14 @@ class RolloutGroup(Actors):
 
     role = "rollout"
 
-    def __init__(self, actors: list, pids: list[int], timeout_s: float, pool: EnginePool | None = None,
-                 health_check: bool = False):
+    def __init__(
+        self,
+        actors: list,
+        pids: list[int],
+        timeout_s: float,
+        pool: EnginePool | None = None,
+        health_check: bool = False,
+    ):
         super().__init__(actors, pids, timeout_s)
         self.pool, self.health = pool, health_check
 
@@ -192,19 +211,33 @@ class RolloutGroup(Actors):
         self.actors = self.engines()
         super().refresh_pids()
 
-    def generate(self, rows: list[dict], params: SamplingParams, seed: int, iteration: int, version: int,
-                 greedy: bool = False, seeds: list[int] | None = None) -> Batch:
+    def generate(
+        self,
+        rows: list[dict],
+        params: SamplingParams,
+        seed: int,
+        iteration: int,
+        version: int,
+        greedy: bool = False,
+        seeds: list[int] | None = None,
+    ) -> Batch:
         """params.n samples per row with weights `version` (each engine refuses other weights): on one engine,
         or split across the pool by prompt length (`seeds`, one per engine; a dead engine is restarted and its
         share retried)."""
         if self.pool is None:  # colocated: the engine is the policy's own module, never stale
-            return self.wait([self.actors[0].generate.remote(rows, params, seed, iteration, version, greedy)],
-                             "generate")[0]
+            return self.wait(
+                [self.actors[0].generate.remote(rows, params, seed, iteration, version, greedy)], "generate"
+            )[0]
         from components.data.prompts import prompt_text
 
         restarts = self.pool.restarts
-        batch = self.pool.generate(rows, [len(prompt_text(r["prompt"])) for r in rows],
-                                   (params, iteration, version, greedy), seeds or [seed], self.timeout_s)
+        batch = self.pool.generate(
+            rows,
+            [len(prompt_text(r["prompt"])) for r in rows],
+            (params, iteration, version, greedy),
+            seeds or [seed],
+            self.timeout_s,
+        )
         if self.pool.restarts != restarts:
             self.refresh_pids()
         return batch
@@ -234,9 +267,19 @@ class RewardModelActor(Actors):
 class Workers:
     """The actors a training run keeps across iterations."""
 
-    def __init__(self, policy: PolicyGroup, rollout: RolloutGroup, reference: ReferenceActor | None = None,
-                 reward_model: RewardModelActor | None = None):
-        self.policy, self.rollout, self.reference, self.reward_model = policy, rollout, reference, reward_model
+    def __init__(
+        self,
+        policy: PolicyGroup,
+        rollout: RolloutGroup,
+        reference: ReferenceActor | None = None,
+        reward_model: RewardModelActor | None = None,
+    ):
+        self.policy, self.rollout, self.reference, self.reward_model = (
+            policy,
+            rollout,
+            reference,
+            reward_model,
+        )
 
     def push_weights(self) -> int:
         """The policy's weights into every engine (colocated: only the version moves); returns the version."""
@@ -244,8 +287,16 @@ class Workers:
             return self.policy.share_weights()
         return self.policy.push_weights(self.rollout.engines())
 
-    def sample(self, rows: list[dict], params: SamplingParams, seed: int, iteration: int, version: int,
-               greedy: bool = False, seeds: list[int] | None = None) -> Batch:
+    def sample(
+        self,
+        rows: list[dict],
+        params: SamplingParams,
+        seed: int,
+        iteration: int,
+        version: int,
+        greedy: bool = False,
+        seeds: list[int] | None = None,
+    ) -> Batch:
         """A rollout from engines that are alive (health-checked first when engine.health_check) and hold
         weights `version`; `engine_restarts` in its meta counts the engines restarted on the way."""
         pool = self.rollout.pool
@@ -284,14 +335,23 @@ def workers_that_fit(plan: RunPlan) -> int:
     need = {k: v for k, v in placement.worker_resources.items() if v > 0}
     total = ray.cluster_resources()
     # the rollout actors take a CPU between them, a separate reference actor one worker's resources
-    fits = min([int((total.get(k, 0.0) - (1.0 if k == "CPU" else 0.0)) // v) - placement.separate_reference
-                for k, v in need.items()] or [placement.num_workers])
+    fits = min(
+        [
+            int((total.get(k, 0.0) - (1.0 if k == "CPU" else 0.0)) // v) - placement.separate_reference
+            for k, v in need.items()
+        ]
+        or [placement.num_workers]
+    )
     mini = mini_batch or responses
-    n = next((k for k in range(min(placement.num_workers, fits), 0, -1) if responses % k == 0 and mini % k == 0), 0)
+    n = next(
+        (k for k in range(min(placement.num_workers, fits), 0, -1) if responses % k == 0 and mini % k == 0), 0
+    )
     if n < placement.min_workers:
-        raise RuntimeError(f"the Ray cluster has room for {max(fits, 0)} policy workers of {need} "
-                           f"(trainer.worker_resources), fewer than trainer.min_workers={placement.min_workers}. "
-                           "Add nodes, or lower trainer.num_workers / trainer.min_workers.")
+        raise RuntimeError(
+            f"the Ray cluster has room for {max(fits, 0)} policy workers of {need} "
+            f"(trainer.worker_resources), fewer than trainer.min_workers={placement.min_workers}. "
+            "Add nodes, or lower trainer.num_workers / trainer.min_workers."
+        )
     return n
 
 
@@ -300,16 +360,20 @@ def _split_resources(resources: dict) -> tuple[float, float, dict | None]:
     return res.pop("CPU", 0.0), res.pop("GPU", 0.0), res or None
 
 
-def start_policy_group(settings: PolicySettings, placement: Placement, n: int, colocated: bool,
-                       timeout_s: float) -> PolicyGroup:
+def start_policy_group(
+    settings: PolicySettings, placement: Placement, n: int, colocated: bool, timeout_s: float
+) -> PolicyGroup:
     """n PolicyWorker actors spread over the cluster, joined into one process group (rank 0's address);
     with `colocated`, rank 0 also serves the rollout engine (ColocatedWorker). The policy workers are not
     restarted by Ray: the flow rebuilds the group from the last checkpoint."""
     num_cpus, num_gpus, res = _split_resources(placement.worker_resources)
     classes = [ColocatedWorker if colocated and rank == 0 else PolicyWorker for rank in range(n)]
-    actors = [ray.remote(max_restarts=0)(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, resources=res,
-                                                      scheduling_strategy="SPREAD").remote(settings)
-              for cls in classes]
+    actors = [
+        ray.remote(max_restarts=0)(cls)
+        .options(num_cpus=num_cpus, num_gpus=num_gpus, resources=res, scheduling_strategy="SPREAD")
+        .remote(settings)
+        for cls in classes
+    ]
     addr, port = ray.get(actors[0].address.remote())
     backend = "nccl" if num_gpus else "gloo"
     specs = [GroupSpec(rank, n, addr, port, backend) for rank in range(n)]
@@ -329,8 +393,13 @@ def start_engine(settings: RolloutSettings, placement: Placement):
     reserve engine.num_gpus (default tensor_parallel_size) GPUs, hf engines share one CPU between them."""
     cpus = 1.0 / placement.num_engines if settings.engine_type == "hf" else 1.0
     return ray.remote(num_cpus=cpus, num_gpus=placement.engine_gpus, max_restarts=3)(RolloutWorker).remote(
-        settings.model_path, settings.engine_type, settings.options, settings.num_threads,
-        multi_turn=settings.multi_turn, prompts=settings.prompts)
+        settings.model_path,
+        settings.engine_type,
+        settings.options,
+        settings.num_threads,
+        multi_turn=settings.multi_turn,
+        prompts=settings.prompts,
+    )
 
 
 def start_workers(plan: RunPlan) -> Workers:
@@ -342,19 +411,30 @@ def start_workers(plan: RunPlan) -> Workers:
     p, timeout = plan.placement, plan.placement.stage_timeout_s
     n = workers_that_fit(plan)
     if n != p.num_workers:
-        logging.getLogger("reinforge").warning("starting %d policy workers instead of trainer.num_workers=%d: the "
-                                               "cluster has no room for more (the global batch is kept)", n,
-                                               p.num_workers)
+        logging.getLogger("reinforge").warning(
+            "starting %d policy workers instead of trainer.num_workers=%d: the "
+            "cluster has no room for more (the global batch is kept)",
+            n,
+            p.num_workers,
+        )
     colocated = p.colocated(n, plan.rollout.engine_type)
     policy = start_policy_group(plan.policy, p, n, colocated, timeout)
     if colocated:
         rollout = RolloutGroup(policy.actors[:1], policy.pids[:1], timeout)
     else:
         engines = [start_engine(plan.rollout, p) for _ in range(p.num_engines)]
-        rollout = RolloutGroup(engines, ray.get([e.pid.remote() for e in engines]), timeout,
-                               EnginePool(engines, lambda: start_engine(plan.rollout, p),
-                                          lambda e: policy.push_weights([e]), p.health_check_timeout_s),
-                               p.health_check)
+        rollout = RolloutGroup(
+            engines,
+            ray.get([e.pid.remote() for e in engines]),
+            timeout,
+            EnginePool(
+                engines,
+                lambda: start_engine(plan.rollout, p),
+                lambda e: policy.push_weights([e]),
+                p.health_check_timeout_s,
+            ),
+            p.health_check,
+        )
     workers = Workers(policy, rollout)
     if plan.reference is not None:
         workers.reference = _start_reference(plan.reference, p, timeout)
@@ -366,7 +446,8 @@ def start_workers(plan: RunPlan) -> Workers:
 def _start_reference(settings: ReferenceSettings, placement: Placement, timeout_s: float) -> ReferenceActor:
     num_cpus, num_gpus, res = _split_resources(placement.worker_resources)
     actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=res, max_restarts=3)(
-        ReferenceWorker).remote(settings)
+        ReferenceWorker
+    ).remote(settings)
     return ReferenceActor([actor], [ray.get(actor.pid.remote())], timeout_s)
 
 
@@ -374,9 +455,12 @@ def _start_reward_model(placement: Placement, num_threads: int, timeout_s: float
     from components.models.loading import check_model_dir
     from components.rewards.reward_model import RewardModelScorer
 
-    check_model_dir(placement.reward_model, "reward_model.path")  # a clear error here, not a failed actor start
+    check_model_dir(
+        placement.reward_model, "reward_model.path"
+    )  # a clear error here, not a failed actor start
     actor = ray.remote(num_cpus=0, max_restarts=3)(RewardModelScorer).remote(
-        placement.reward_model, placement.reward_model_dtype, placement.reward_model_batch_size, num_threads)
+        placement.reward_model, placement.reward_model_dtype, placement.reward_model_batch_size, num_threads
+    )
     return RewardModelActor([actor], [ray.get(actor.pid.remote())], timeout_s)
 
 
@@ -417,8 +501,9 @@ def _scorer_actor():
     return _scorer[job]
 
 
-def score_in_worker(texts, truths, sources, extras, scorers: dict, concurrency: int = 2,
-                    timeout_s: float = 1200.0):
+def score_in_worker(
+    texts, truths, sources, extras, scorers: dict, concurrency: int = 2, timeout_s: float = 1200.0
+):
     """score_batch in the RewardScorer actor, bounded by `timeout_s` (trainer.stage_timeout_s): a scorer that
     kills its process (a segfault, the OOM killer) is retried in a new one with the same inputs, so with the
     same result; a scorer that raises fails at once, naming the sample; one that runs past the timeout has its
@@ -438,10 +523,12 @@ def score_in_worker(texts, truths, sources, extras, scorers: dict, concurrency: 
         ray.kill(actor, no_restart=True)
         _scorer.clear()
         names = ", ".join(sorted({scorer_name(f) for f in scorers.values()}))
-        raise RewardError(f"scoring {len(texts)} responses with {names} did not finish within "
-                          f"trainer.stage_timeout_s={timeout_s:g} s; the scorer's process and every process it "
-                          "started were killed. Make the reward function faster, or raise "
-                          "trainer.stage_timeout_s.") from None
+        raise RewardError(
+            f"scoring {len(texts)} responses with {names} did not finish within "
+            f"trainer.stage_timeout_s={timeout_s:g} s; the scorer's process and every process it "
+            "started were killed. Make the reward function faster, or raise "
+            "trainer.stage_timeout_s."
+        ) from None
     except ray.exceptions.RayTaskError as exc:
         if isinstance(exc.cause, ReinforgeError):  # our message, not Ray's wrapper around it
             raise exc.cause from None

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from components.data.prompts import PromptSettings, encode_prompt
-
 
 # a tool's output inside an answer (multi-turn trajectories): seen by the model, never a training target
 _TOOL_OUTPUT = re.compile(r"(<tool_response>.*?</tool_response>)", re.S)
@@ -23,8 +22,12 @@ class SFTExample:
     answer_mask: list[int] | None = None  # 1 = a target token; None = all of them
 
 
-def encode_examples(tokenizer: PreTrainedTokenizerBase, prompts: list, answers: list[str],
-                    settings: PromptSettings = PromptSettings()) -> list[SFTExample]:
+def encode_examples(
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list,
+    answers: list[str],
+    settings: PromptSettings = PromptSettings(),
+) -> list[SFTExample]:
     """Prompt as the rollout engine sees it (components.data.prompts), answer + EOS;
     `<tool_response>...</tool_response>` spans of an answer (a tool-calling trajectory) are tokenized on their
     own and masked out of the loss."""
@@ -35,8 +38,13 @@ def encode_examples(tokenizer: PreTrainedTokenizerBase, prompts: list, answers: 
             part_ids = tokenizer(part, add_special_tokens=False)["input_ids"] if part else []
             ids += part_ids
             mask += [k % 2 == 0] * len(part_ids)  # odd parts are the tool outputs
-        out.append(SFTExample(encode_prompt(tokenizer, prompt, settings), ids + [tokenizer.eos_token_id],
-                              [int(m) for m in mask] + [1] if not all(mask) else None))
+        out.append(
+            SFTExample(
+                encode_prompt(tokenizer, prompt, settings),
+                ids + [tokenizer.eos_token_id],
+                [int(m) for m in mask] + [1] if not all(mask) else None,
+            )
+        )
     return out
 
 
@@ -48,17 +56,27 @@ def collate(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
     mask = torch.zeros((len(examples), width), dtype=torch.long)
     for i, e in enumerate(examples):
         seq = e.prompt_ids + e.answer_ids
-        ids[i, :len(seq)] = torch.tensor(seq)
-        mask[i, :len(seq)] = 1
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, : len(seq)] = 1
         targets = torch.tensor(e.answer_ids)
         if e.answer_mask is not None:
             targets = torch.where(torch.tensor(e.answer_mask, dtype=torch.bool), targets, -100)
-        labels[i, len(e.prompt_ids):len(seq)] = targets
+        labels[i, len(e.prompt_ids) : len(seq)] = targets
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def train_sft(model: PreTrainedModel, examples: list[SFTExample], *, steps: int, batch_size: int, lr: float,
-              pad_id: int, seed: int, final_lr_frac: float = 1.0, on_step: Callable[[int, float], None] | None = None) -> list[float]:
+def train_sft(
+    model: PreTrainedModel,
+    examples: list[SFTExample],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    pad_id: int,
+    seed: int,
+    final_lr_frac: float = 1.0,
+    on_step: Callable[[int, float], None] | None = None,
+) -> list[float]:
     """AdamW over shuffled examples, lr decaying linearly to lr * final_lr_frac; returns the loss per step.
 
     The default keeps lr constant: a run that ends at lr ~ 0 settles where the loss is very sharp, and the
@@ -75,7 +93,7 @@ def train_sft(model: PreTrainedModel, examples: list[SFTExample], *, steps: int,
     for step in range(steps):
         if cursor + batch_size > len(order):
             order, cursor = torch.randperm(len(examples), generator=gen).tolist(), 0
-        batch = collate([examples[i] for i in order[cursor:cursor + batch_size]], pad_id)
+        batch = collate([examples[i] for i in order[cursor : cursor + batch_size]], pad_id)
         cursor += batch_size
         loss = model(**batch).loss
         opt.zero_grad(set_to_none=True)

@@ -17,6 +17,7 @@ from components.batch import Batch
 from components.errors import CheckpointError
 from components.models.loading import load_model, load_tokenizer, save_pretrained
 from components.outputs import MODEL
+from components.plan import PolicySettings, ReferenceSettings
 from components.tracking.checkpoints import load_optimizer, save_optimizer
 from components.training import distributed as D
 from components.training.actor import PolicyTrainer, UpdateSettings
@@ -24,11 +25,13 @@ from components.training.critic import CriticTrainer, ValueModel
 from components.training.logprobs import batch_logprobs
 from components.training.optim import make_optimizer, make_scheduler
 from components.training.seeding import seed_everything
-from components.plan import PolicySettings, ReferenceSettings
-
 
 MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-COMPRESSION_CODES = {"none": 0, "fp16": 1, "powersgd": 2}  # perf/grad_compression (MLflow metrics are numbers)
+COMPRESSION_CODES = {
+    "none": 0,
+    "fp16": 1,
+    "powersgd": 2,
+}  # perf/grad_compression (MLflow metrics are numbers)
 
 
 def sharded_precision(s: PolicySettings, world_size: int) -> bool:
@@ -40,10 +43,15 @@ def parallel_settings(s: PolicySettings, world_size: int, ocfg=None) -> D.Parall
     p, mem, o = s.parallel, s.memory, ocfg or s.optimizer
     dp = p.data_parallel_size or (1 if p.strategy == "fsdp" else world_size)
     return D.ParallelSettings(
-        world_size=world_size, data_parallel_size=dp if world_size % dp == 0 else 1,
-        param_offload=mem.param_offload, optimizer_offload=mem.optimizer_offload,
+        world_size=world_size,
+        data_parallel_size=dp if world_size % dp == 0 else 1,
+        param_offload=mem.param_offload,
+        optimizer_offload=mem.optimizer_offload,
         mp_dtype=MP_DTYPES[s.mixed_precision.dtype] if sharded_precision(s, world_size) else None,
-        zero_stage=p.zero_stage, grad_clip=o.grad_clip, optimizer=lambda params: make_optimizer(params, o)[0])
+        zero_stage=p.zero_stage,
+        grad_clip=o.grad_clip,
+        optimizer=lambda params: make_optimizer(params, o)[0],
+    )
 
 
 def update_for(s: PolicySettings, world_size: int) -> UpdateSettings:
@@ -55,7 +63,10 @@ def rng_state() -> dict:
     """Python's and numpy's global RNG states as JSON (torch's goes to safetensors)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, py_gauss = random.getstate()
-    return {"python": [version, list(internal), py_gauss], "numpy": [kind, keys.tolist(), pos, has_gauss, gauss]}
+    return {
+        "python": [version, list(internal), py_gauss],
+        "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+    }
 
 
 def set_rng_state(state: dict) -> None:
@@ -101,7 +112,9 @@ class PolicyWorker:
             ref = load_model(m.path, m.dtype, m.attention_implementation).eval().requires_grad_(False)
         settings = update_for(s, spec.world_size)
         opt, sched = self._optimizer(self.model, s.optimizer)
-        self.trainer = PolicyTrainer(self.model, ref, opt, sched, settings, self.comm, make_scaler(s, self.model))
+        self.trainer = PolicyTrainer(
+            self.model, ref, opt, sched, settings, self.comm, make_scaler(s, self.model)
+        )
         self.critic = self._make_critic(settings) if s.critic is not None else None
         self.compression = self._compression()
         self.need_old = s.need_old
@@ -125,13 +138,17 @@ class PolicyWorker:
             inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.world_size == 1:
             return model
-        return D.STRATEGIES.get(self.s.parallel.strategy)(model, parallel_settings(self.s, self.world_size, ocfg))
+        return D.STRATEGIES.get(self.s.parallel.strategy)(
+            model, parallel_settings(self.s, self.world_size, ocfg)
+        )
 
     def _make_critic(self, settings: UpdateSettings) -> CriticTrainer:
         m, c = self.s.model, self.s.critic
         key = "critic.model_path" if c.model_path else "actor.model.path"
-        model = self._wrap(ValueModel(load_model(c.model_path or m.path, m.dtype, m.attention_implementation, key)),
-                           c.optimizer)
+        model = self._wrap(
+            ValueModel(load_model(c.model_path or m.path, m.dtype, m.attention_implementation, key)),
+            c.optimizer,
+        )
         opt, sched = self._optimizer(model, c.optimizer)
         return CriticTrainer(model, opt, sched, settings.loop, c.cliprange_value, "token-mean", self.comm)
 
@@ -141,8 +158,9 @@ class PolicyWorker:
         if self.world_size == 1 or t.strategy != "ddp":
             return None
         gbps = D.measure_allreduce_gbps(cap_gbps=t.simulated_bandwidth_gbps)
-        choice = D.choose_compression(gbps, t.grad_compression, t.compression_fp16_below_gbps,
-                                      t.compression_powersgd_below_gbps)
+        choice = D.choose_compression(
+            gbps, t.grad_compression, t.compression_fp16_below_gbps, t.compression_powersgd_below_gbps
+        )
         for part in [self.model] + ([self.critic.model] if self.critic is not None else []):
             D.register_compression(part, choice)
         return choice
@@ -166,7 +184,9 @@ class PolicyWorker:
     def update(self, batch: Batch) -> dict[str, float]:
         start = time.perf_counter()
         metrics = self.trainer.update(batch)
-        metrics["timing_s/update_actor_compute"] = time.perf_counter() - start  # in the worker (log-probs too)
+        metrics["timing_s/update_actor_compute"] = (
+            time.perf_counter() - start
+        )  # in the worker (log-probs too)
         self.version += 1
         if self.compression is not None:
             metrics["perf/grad_compression"] = COMPRESSION_CODES[self.compression.name]
@@ -187,7 +207,7 @@ class PolicyWorker:
             save_pretrained(D.unwrap(self.model), self.tokenizer, out, state_dict=state, kind=kind)
         return out
 
-    def _trained_parts(self) -> list[tuple[str, "PolicyTrainer | CriticTrainer", str]]:
+    def _trained_parts(self) -> list[tuple[str, PolicyTrainer | CriticTrainer, str]]:
         """(name, trainer, optimizer file) of each part with an optimizer: the actor, and the critic if any."""
         parts = [("actor", self.trainer, "optimizer")]
         return parts + ([("critic", self.critic, "critic_optimizer")] if self.critic is not None else [])
@@ -204,12 +224,15 @@ class PolicyWorker:
         with workers on several nodes, trainer.output_dir must be shared storage). Every rank must be called."""
         out = Path(out)
         self.save_model(str(out / "model"))
-        parts = [(name, part, opt_file, self._optimizer_state(part) if with_optimizer else None)
-                 for name, part, opt_file in self._trained_parts()]
+        parts = [
+            (name, part, opt_file, self._optimizer_state(part) if with_optimizer else None)
+            for name, part, opt_file in self._trained_parts()
+        ]
         critic = D.full_model_state(self.critic.model) if self.critic is not None else None
         if self.rank > 0:
-            (out / f"rng_rank{self.rank}.json").write_text(json.dumps(
-                {"rng": rng_state(), "torch": torch.get_rng_state().tolist()}))
+            (out / f"rng_rank{self.rank}.json").write_text(
+                json.dumps({"rng": rng_state(), "torch": torch.get_rng_state().tolist()})
+            )
             return
         tensors, state = {"rng.torch": torch.get_rng_state()}, {"version": self.version, "rng": rng_state()}
         for name, part, opt_file, opt_state in parts:
@@ -225,15 +248,22 @@ class PolicyWorker:
         """Restore everything write_checkpoint wrote (the caller verified the manifest); returns the version."""
         ckpt = Path(path)
         state = json.loads((ckpt / "worker.json").read_text())
-        loaded = load_model(ckpt / "model", self.s.model.dtype, self.s.model.attention_implementation,
-                            key=f"checkpoint {ckpt}", safetensors_only=True)
+        loaded = load_model(
+            ckpt / "model",
+            self.s.model.dtype,
+            self.s.model.attention_implementation,
+            key=f"checkpoint {ckpt}",
+            safetensors_only=True,
+        )
         self._load_weights(self.model, loaded.state_dict())
         for name, part, opt_file in self._trained_parts():
             opt = load_optimizer(ckpt, opt_file)
             if opt is None:
-                raise CheckpointError(f"{ckpt} has no {name} optimizer state (saved with trainer.save_optimizer="
-                                      "false), so a resume would not be exact. Start fresh with "
-                                      "trainer.resume_mode=disable.")
+                raise CheckpointError(
+                    f"{ckpt} has no {name} optimizer state (saved with trainer.save_optimizer="
+                    "false), so a resume would not be exact. Start fresh with "
+                    "trainer.resume_mode=disable."
+                )
             if self.world_size == 1:
                 part.optimizer.load_state_dict(opt)
             else:

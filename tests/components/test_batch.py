@@ -7,8 +7,11 @@ from components.batch import Batch
 
 
 def make(n=5):
-    return Batch({"x": torch.arange(n * 2).view(n, 2), "y": torch.rand(n)}, {"s": [f"r{i}" for i in range(n)]},
-                 {"iteration": 3})
+    return Batch(
+        {"x": torch.arange(n * 2).view(n, 2), "y": torch.rand(n)},
+        {"s": [f"r{i}" for i in range(n)]},
+        {"iteration": 3},
+    )
 
 
 def test_roundtrip_bytes():

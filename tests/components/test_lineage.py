@@ -36,5 +36,6 @@ def test_a_new_sft_model_is_a_new_run(tmp_path):
     (sft / "config.json").write_text('{"vocab_size": 40}')
     after = run_fingerprint(cfg)
     assert after.digest != before.digest
-    assert after.differences(before.state()) == [f"actor.model.path: {before.inputs['actor.model.path']!r} -> "
-                                                 f"{after.inputs['actor.model.path']!r}"]
+    assert after.differences(before.state()) == [
+        f"actor.model.path: {before.inputs['actor.model.path']!r} -> {after.inputs['actor.model.path']!r}"
+    ]

@@ -10,9 +10,8 @@ from components.algorithms.presets import resolve
 from components.batch import Batch
 from components.config import load_config
 from components.config.schema import AlgorithmConfig
-from components.rewards.registry import REWARDS
 from components.plan import RewardSettings
-from components.rewards.registry import score_with_config
+from components.rewards.registry import REWARDS, score_with_config
 from components.rl import add_advantages, add_rewards, concat_rounds, first_groups, informative_rows
 
 REWARD_CFG = load_config(None)
@@ -41,11 +40,17 @@ def rollout(n_prompts=2, n=3, lengths=None, source="test/invalid"):
     lengths = torch.tensor(lengths or [2] * rows)
     R = int(lengths.max())
     mask = (torch.arange(R)[None] < lengths[:, None]).long()
-    return Batch({"prompts": torch.ones(rows, 2, dtype=torch.long), "prompt_mask": torch.ones(rows, 2, dtype=torch.long),
-                  "responses": torch.ones(rows, R, dtype=torch.long), "response_mask": mask,
-                  "group_ids": torch.arange(n_prompts).repeat_interleave(n)},
-                 {"ground_truth": ["1"] * rows, "data_source": [source] * rows, "extra_info": [{}] * rows},
-                 {"n": n})
+    return Batch(
+        {
+            "prompts": torch.ones(rows, 2, dtype=torch.long),
+            "prompt_mask": torch.ones(rows, 2, dtype=torch.long),
+            "responses": torch.ones(rows, R, dtype=torch.long),
+            "response_mask": mask,
+            "group_ids": torch.arange(n_prompts).repeat_interleave(n),
+        },
+        {"ground_truth": ["1"] * rows, "data_source": [source] * rows, "extra_info": [{}] * rows},
+        {"n": n},
+    )
 
 
 def test_invalid_rewards_are_counted_zero_advantage_and_masked_out(nan_scorer):
@@ -71,8 +76,13 @@ def test_invalid_rewards_never_reach_the_loss(nan_scorer, tokenizer):
     torch.manual_seed(0)
     model = make_model(tokenizer)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    trainer = PolicyTrainer(model, make_model(tokenizer, seed=1), opt,
-                            torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), UpdateSettings(beta=0.1))
+    trainer = PolicyTrainer(
+        model,
+        make_model(tokenizer, seed=1),
+        opt,
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+        UpdateSettings(beta=0.1),
+    )
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     metrics = trainer.update(batch)
     assert all(math.isfinite(v) for v in metrics.values()), metrics
@@ -85,8 +95,11 @@ def test_too_many_invalid_rewards_stop_the_run(nan_scorer):
 
     batch = rollout()
     batch.meta["iteration"] = 1
-    with pytest.raises(RewardError, match=r"iteration 1: 4 of 6 rewards are invalid .*'test/invalid'.* more than "
-                                          r"reward\.max_invalid_frac=0\.5"):
+    with pytest.raises(
+        RewardError,
+        match=r"iteration 1: 4 of 6 rewards are invalid .*'test/invalid'.* more than "
+        r"reward\.max_invalid_frac=0\.5",
+    ):
         add_rewards(batch, ["nan", "none", "inf", "nan", "1", "1"], SETTINGS, local)
 
 
@@ -99,16 +112,23 @@ def test_a_reward_of_the_wrong_type_names_the_function_sample_and_type():
 
     REWARDS["test/bool"] = lambda rm: answers_yes
     try:
-        with pytest.raises(RewardError, match=r"reward function .*answers_yes returned bool True for sample 0 "
-                                              r"\(data_source 'test/bool', response '1'\)"):
+        with pytest.raises(
+            RewardError,
+            match=r"reward function .*answers_yes returned bool True for sample 0 "
+            r"\(data_source 'test/bool', response '1'\)",
+        ):
             score_with_config(["1", "2"], ["1", "1"], ["test/bool"] * 2, [{}, {}], REWARD_CFG)
     finally:
         del REWARDS["test/bool"]
 
 
 def test_overlong_penalty_goes_into_rewards_not_scores():
-    batch, m = add_rewards(rollout(1, 3, [2, 4, 5], "arith"), ["#### 1", "#### 1", "#### 2"],
-                           RewardSettings(overlong=(5, 2, 1.0)), local)
+    batch, m = add_rewards(
+        rollout(1, 3, [2, 4, 5], "arith"),
+        ["#### 1", "#### 1", "#### 2"],
+        RewardSettings(overlong=(5, 2, 1.0)),
+        local,
+    )
     # lengths 2, 4, 5 with max 5, buffer 2: penalties 0, -0.5, -1
     torch.testing.assert_close(batch.tensors["scores"], torch.tensor([1.0, 1.0, 0.0]))
     torch.testing.assert_close(batch.tensors["token_rewards"].sum(-1), torch.tensor([1.0, 0.5, -1.0]))
@@ -125,10 +145,13 @@ def test_greedy_baseline_is_scored_once_per_prompt_for_remax():
 
     REWARDS["test/count"] = lambda rm: counting
     try:
-        b = rollout(2, 3, source="test/count").union(baseline_responses=torch.ones(6, 2, dtype=torch.long),
-                                                     baseline_mask=torch.ones(6, 2, dtype=torch.long))
-        out, m = add_rewards(b, ["1", "0", "0", "0", "0", "1"], SETTINGS, local,
-                             baseline_texts=["1", "1", "1", "0", "0", "0"])
+        b = rollout(2, 3, source="test/count").union(
+            baseline_responses=torch.ones(6, 2, dtype=torch.long),
+            baseline_mask=torch.ones(6, 2, dtype=torch.long),
+        )
+        out, m = add_rewards(
+            b, ["1", "0", "0", "0", "0", "1"], SETTINGS, local, baseline_texts=["1", "1", "1", "0", "0", "0"]
+        )
     finally:
         del REWARDS["test/count"]
     assert len(calls) == 6 + 2
@@ -139,9 +162,13 @@ def test_greedy_baseline_is_scored_once_per_prompt_for_remax():
 
 def test_kl_in_reward_through_the_advantage_stage(nan_scorer):
     batch, _ = add_rewards(rollout(1, 2), ["1", "0"], SETTINGS, local)
-    batch = batch.union(old_logprobs=torch.tensor([[-1.0, -1.0], [-1.0, -1.0]]),
-                        ref_logprobs=torch.tensor([[-2.0, -2.0], [-1.0, -1.0]]))
-    _, m = add_advantages(batch, resolve(AlgorithmConfig(name="reinforce_plus_plus")), kl_coef=0.1, kl_kind="k1")
+    batch = batch.union(
+        old_logprobs=torch.tensor([[-1.0, -1.0], [-1.0, -1.0]]),
+        ref_logprobs=torch.tensor([[-2.0, -2.0], [-1.0, -1.0]]),
+    )
+    _, m = add_advantages(
+        batch, resolve(AlgorithmConfig(name="reinforce_plus_plus")), kl_coef=0.1, kl_kind="k1"
+    )
     assert math.isclose(m["actor/reward_kl_penalty"], 0.5)  # sequence KLs 1 and 0
     assert m["actor/reward_kl_penalty_coeff"] == 0.1
 
@@ -156,13 +183,32 @@ def test_dynamic_sampling_helpers():
 
 
 def test_rounds_of_different_widths_concatenate_with_padding():
-    a = Batch({"prompts": torch.tensor([[5, 6]]), "prompt_mask": torch.tensor([[1, 1]]),
-               "responses": torch.tensor([[7, 8, 9]]), "response_mask": torch.tensor([[1, 1, 1]]),
-               "group_ids": torch.tensor([0])})
-    b = Batch({"prompts": torch.tensor([[4, 5, 6]]), "prompt_mask": torch.tensor([[1, 1, 1]]),
-               "responses": torch.tensor([[7]]), "response_mask": torch.tensor([[1]]), "group_ids": torch.tensor([0])})
+    a = Batch(
+        {
+            "prompts": torch.tensor([[5, 6]]),
+            "prompt_mask": torch.tensor([[1, 1]]),
+            "responses": torch.tensor([[7, 8, 9]]),
+            "response_mask": torch.tensor([[1, 1, 1]]),
+            "group_ids": torch.tensor([0]),
+        }
+    )
+    b = Batch(
+        {
+            "prompts": torch.tensor([[4, 5, 6]]),
+            "prompt_mask": torch.tensor([[1, 1, 1]]),
+            "responses": torch.tensor([[7]]),
+            "response_mask": torch.tensor([[1]]),
+            "group_ids": torch.tensor([0]),
+        }
+    )
     both = concat_rounds([a, b])
     t = both.tensors
-    assert t["prompts"].tolist() == [[0, 5, 6], [4, 5, 6]] and t["prompt_mask"].tolist() == [[0, 1, 1], [1, 1, 1]]
-    assert t["responses"].tolist() == [[7, 8, 9], [7, 0, 0]] and t["response_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert t["prompts"].tolist() == [[0, 5, 6], [4, 5, 6]] and t["prompt_mask"].tolist() == [
+        [0, 1, 1],
+        [1, 1, 1],
+    ]
+    assert t["responses"].tolist() == [[7, 8, 9], [7, 0, 0]] and t["response_mask"].tolist() == [
+        [1, 1, 1],
+        [1, 0, 0],
+    ]
     assert t["group_ids"].tolist() == [0, 1]

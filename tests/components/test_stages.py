@@ -32,7 +32,9 @@ def test_every_declared_key_exists_in_the_config_and_the_params_file():
             assert any(k == key or k.startswith(key + ".") for k in flat), (stage, key)
             node = raw
             for part in key.split("."):
-                assert isinstance(node, dict) and part in node, f"{stage}: {key} is not in configs/arith_grpo.yaml"
+                assert isinstance(node, dict) and part in node, (
+                    f"{stage}: {key} is not in configs/arith_grpo.yaml"
+                )
                 node = node[part]
     assert in_file
 
@@ -43,8 +45,12 @@ def test_the_cache_keys_and_the_fingerprint_come_from_the_declarations():
     from tasks.evaluate import EVAL_CACHE
     from tasks.sft import SFT_CACHE
 
-    assert (PREPARE_CACHE.config_keys, CLEAN_CACHE.config_keys, SFT_CACHE.config_keys, EVAL_CACHE.config_keys) == \
-        tuple(STAGES[s].reads for s in ("prepare", "clean", "sft", "evaluate"))
+    assert (
+        PREPARE_CACHE.config_keys,
+        CLEAN_CACHE.config_keys,
+        SFT_CACHE.config_keys,
+        EVAL_CACHE.config_keys,
+    ) == tuple(STAGES[s].reads for s in ("prepare", "clean", "sft", "evaluate"))
     keys = training_keys(load_config(None))
     assert "algorithm.clip_epsilon" in keys and "data.batch_size" in keys and "trainer.seed" in keys
     assert not {"trainer.iterations", "trainer.num_workers", "sft.steps", "data.num_train"} & set(keys)

@@ -30,16 +30,37 @@ def prefect_harness(prefect_api):
 
 def small_overrides(root, iterations=4) -> list[str]:
     """A shrunken default pipeline whose every output lives under `root`."""
-    return [f"trainer.run_dir={root}", f"data.raw_dir={root}/raw", f"data.train_path={root}/clean/train.parquet",
-            f"data.eval_path={root}/clean/test.parquet", f"data.quarantine_dir={root}/quarantine",
-            f"sft.output_dir={root}/sft", f"actor.model.path={root}/sft", f"trainer.output_dir={root}/grpo",
-            "data.num_train=120", "data.num_eval=16", "data.max_operand=20", "data.batch_size=8", "engine.n=4",
-            "engine.max_new_tokens=8", "sft.hidden_size=32", "sft.num_layers=1", "sft.num_heads=2",
-            "sft.intermediate_size=64", f"trainer.iterations={iterations}", "trainer.test_interval=2",
-            "trainer.save_interval=2", "trainer.eval_k=2", "trainer.progress=false",
-            "trainer.experiment_name=e2e", "actor.optimizer.lr=1e-3",
-            # partial credit for any number, so a barely-trained model still gets unequal rewards in a group
-            "reward_model.method=flexible", "reward_model.format_score=0.1", "sft.steps=60"]
+    return [
+        f"trainer.run_dir={root}",
+        f"data.raw_dir={root}/raw",
+        f"data.train_path={root}/clean/train.parquet",
+        f"data.eval_path={root}/clean/test.parquet",
+        f"data.quarantine_dir={root}/quarantine",
+        f"sft.output_dir={root}/sft",
+        f"actor.model.path={root}/sft",
+        f"trainer.output_dir={root}/grpo",
+        "data.num_train=120",
+        "data.num_eval=16",
+        "data.max_operand=20",
+        "data.batch_size=8",
+        "engine.n=4",
+        "engine.max_new_tokens=8",
+        "sft.hidden_size=32",
+        "sft.num_layers=1",
+        "sft.num_heads=2",
+        "sft.intermediate_size=64",
+        f"trainer.iterations={iterations}",
+        "trainer.test_interval=2",
+        "trainer.save_interval=2",
+        "trainer.eval_k=2",
+        "trainer.progress=false",
+        "trainer.experiment_name=e2e",
+        "actor.optimizer.lr=1e-3",
+        # partial credit for any number, so a barely-trained model still gets unequal rewards in a group
+        "reward_model.method=flexible",
+        "reward_model.format_score=0.1",
+        "sft.steps=60",
+    ]
 
 
 @contextmanager

@@ -19,8 +19,13 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_unknown_config_key_fails_before_any_work(tmp_path):
-    res = cli("flows.train", "--config", "configs/arith_grpo.yaml", "algorithm.betta=0.1",
-              f"trainer.output_dir={tmp_path}/out")
+    res = cli(
+        "flows.train",
+        "--config",
+        "configs/arith_grpo.yaml",
+        "algorithm.betta=0.1",
+        f"trainer.output_dir={tmp_path}/out",
+    )
     assert res.returncode == 2
     assert "algorithm.betta: unknown key. Did you mean `algorithm.beta`?" in res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "out").exists()
@@ -41,7 +46,9 @@ def test_reinforge_command_help_and_unknown_subcommand(capsys):
 def test_missing_data_file_names_it(tmp_path, tokenizer):
     from tasks.data import load_datasets
 
-    cfg = load_config("configs/arith_grpo.yaml", [f"data.train_path={tmp_path}/missing.parquet", "trainer.run_dir=/"])
+    cfg = load_config(
+        "configs/arith_grpo.yaml", [f"data.train_path={tmp_path}/missing.parquet", "trainer.run_dir=/"]
+    )
     with pytest.raises(DataError, match=r"data\.train_path: .*missing\.parquet does not exist"):
         load_datasets.fn(cfg, tokenizer)
 
@@ -58,19 +65,32 @@ def test_malformed_dataset_is_quarantined_and_clean_output_is_whole(tmp_path):
     from tasks.data import clean_data
 
     train, test = arithmetic_rows(30, 5, 10, ["+"], 0)
-    bad = [{**train[0], "prompt": [{"role": "user", "content": ""}]},
-           {**train[1], "reward_model": {"style": "rule", "ground_truth": ""}}, train[2]]
+    bad = [
+        {**train[0], "prompt": [{"role": "user", "content": ""}]},
+        {**train[1], "reward_model": {"style": "rule", "ground_truth": ""}},
+        train[2],
+    ]
     raw = tmp_path / "raw"
     write_parquet(train + bad, raw / "train.parquet", ROW_SCHEMA)
     write_parquet(test, raw / "test.parquet", ROW_SCHEMA)
-    cfg = load_config("configs/arith_grpo.yaml", [f"data.raw_dir={raw}", f"data.train_path={tmp_path}/c/train.parquet",
-                                                  f"data.eval_path={tmp_path}/c/test.parquet",
-                                                  f"data.quarantine_dir={tmp_path}/q", "trainer.run_dir=/"])
+    cfg = load_config(
+        "configs/arith_grpo.yaml",
+        [
+            f"data.raw_dir={raw}",
+            f"data.train_path={tmp_path}/c/train.parquet",
+            f"data.eval_path={tmp_path}/c/test.parquet",
+            f"data.quarantine_dir={tmp_path}/q",
+            "trainer.run_dir=/",
+        ],
+    )
     reports = clean_data.fn(cfg)
     assert (reports[0]["input_rows"], reports[0]["kept"], reports[0]["quarantined"]) == (33, 30, 3)
     q = pq.read_table(tmp_path / "q" / "train.parquet").to_pylist()
-    assert sorted((r["reason"], r["column"]) for r in q) == [("duplicate", "prompt"), ("empty", "prompt"),
-                                                             ("empty", "reward_model.ground_truth")]
+    assert sorted((r["reason"], r["column"]) for r in q) == [
+        ("duplicate", "prompt"),
+        ("empty", "prompt"),
+        ("empty", "reward_model.ground_truth"),
+    ]
     assert len(pq.read_table(tmp_path / "c" / "train.parquet")) == 30
     assert not list((tmp_path / "c").glob(".*.tmp"))
 
@@ -91,7 +111,9 @@ def test_paths_leaving_the_run_dir_are_rejected_before_any_io(tmp_path, key, how
     import re
 
     reason = "a symlink leads" if how == "symlink" else "it resolves"
-    with pytest.raises(ConfigError, match=rf"{re.escape(key)}={re.escape(value)}: {reason} outside the run directory"):
+    with pytest.raises(
+        ConfigError, match=rf"{re.escape(key)}={re.escape(value)}: {reason} outside the run directory"
+    ):
         load_config("configs/arith_grpo.yaml", [f"trainer.run_dir={run}", f"{key}={value}"])
     assert not list(outside.iterdir())
 

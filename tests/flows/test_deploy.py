@@ -33,6 +33,9 @@ def test_deployments_registered_with_schedule(prefect_harness):
 
     train, nightly = asyncio.run(read())
     assert train.version == "1.0.0"
-    assert train.parameters["config"] == "configs/arith_grpo.yaml" and train.parameters["pipeline"] == "arith-grpo"
+    assert (
+        train.parameters["config"] == "configs/arith_grpo.yaml"
+        and train.parameters["pipeline"] == "arith-grpo"
+    )
     assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
     assert not train.schedules

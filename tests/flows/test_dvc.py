@@ -52,8 +52,11 @@ def repo(tmp_path_factory, prefect_api):
     (repo / ".venv").symlink_to(VENV_BIN.parent)  # the checkout's own venv, as `make install` leaves it
     # no venv on PATH, none activated: dvc is called by its path, the stages find the venv through scripts/py
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    env.update(PATH="/usr/local/bin:/usr/bin:/bin", MLFLOW_TRACKING_URI=f"sqlite:///{repo}/m.db",
-               PREFECT_API_URL=prefect_api)  # the stages report to one server instead of starting one each
+    env.update(
+        PATH="/usr/local/bin:/usr/bin:/bin",
+        MLFLOW_TRACKING_URI=f"sqlite:///{repo}/m.db",
+        PREFECT_API_URL=prefect_api,
+    )  # the stages report to one server instead of starting one each
     git(repo, env, "init", "-q")
     commit(repo, env, "init")
     return repo, env
@@ -74,8 +77,11 @@ def commit(repo: Path, env: dict, message: str) -> None:
 def snapshot(root: Path) -> dict[str, str]:
     import hashlib
 
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_repro_all_then_nothing_then_only_dependents(repo):
@@ -108,12 +114,21 @@ def test_repro_killed_mid_training_resumes_and_ends_clean(repo):
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     runs = repo / "checkpoints" / "grpo" / "runs"
     main_run = snapshot(runs)  # the first configuration's run: never touched by another one
-    proc = subprocess.Popen([DVC, "repro"], cwd=repo, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [DVC, "repro"],
+        cwd=repo,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 600
     while time.time() < deadline:  # wait for a checkpoint of the new run, then kill the whole repro
-        fresh = [p for p in runs.glob("*/checkpoints/iter_*") if p.relative_to(runs).as_posix() + "/state.json"
-                 not in main_run]
+        fresh = [
+            p
+            for p in runs.glob("*/checkpoints/iter_*")
+            if p.relative_to(runs).as_posix() + "/state.json" not in main_run
+        ]
         if fresh:
             break
         time.sleep(0.05)
@@ -142,19 +157,39 @@ def test_experiments_compare_and_leave_the_workspace_as_it_was(repo):
     config = (repo / "configs" / "arith_grpo.yaml").read_bytes()
     workspace = snapshot(repo / "checkpoints" / "grpo")
     key = "configs/arith_grpo.yaml:"
-    sh([DVC, "exp", "run", "--temp", "-S", f"{key}algorithm.kl_loss_coef=0.04", "-S", f"{key}trainer.iterations=5"],
-       repo, env)
+    sh(
+        [
+            DVC,
+            "exp",
+            "run",
+            "--temp",
+            "-S",
+            f"{key}algorithm.kl_loss_coef=0.04",
+            "-S",
+            f"{key}trainer.iterations=5",
+        ],
+        repo,
+        env,
+    )
     shown = json.loads(sh([DVC, "exp", "show", "--json"], repo, env, stdout_only=True))
     accs = []
     for rev in shown:  # the workspace, HEAD with its experiments
         for exp in [rev, *(e for group in rev.get("experiments") or [] for e in group["revs"])]:
-            metrics = ((exp.get("data") or {}).get("metrics") or {}).get("metrics/eval.json", {}).get("data", {})
+            metrics = (
+                ((exp.get("data") or {}).get("metrics") or {}).get("metrics/eval.json", {}).get("data", {})
+            )
             if "final" in metrics:
                 accs.append((metrics["iterations"], metrics["final"]["acc"]))
     assert {it for it, _ in accs} >= {5, 4}, accs  # the experiment (5 iterations) and the workspace's run (4)
     assert "final.acc" in sh([DVC, "metrics", "diff", "--all", "HEAD~1"], repo, env)  # HEAD's metrics load
-    res = subprocess.run([DVC, "exp", "run", "--temp", "-S", f"{key}trainer.iterations=1"], cwd=repo, env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [DVC, "exp", "run", "--temp", "-S", f"{key}trainer.iterations=1"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode != 0 and "trainer.iterations=1 is fewer than the" in res.stdout + res.stderr
     assert (repo / "configs" / "arith_grpo.yaml").read_bytes() == config  # never rewritten
     assert snapshot(repo / "checkpoints" / "grpo") == workspace
@@ -163,7 +198,9 @@ def test_experiments_compare_and_leave_the_workspace_as_it_was(repo):
 def test_an_edited_reward_function_reruns_training(repo):
     """rewards/ (custom_reward_function.path) is a dependency of train and evaluate: an edit reruns them."""
     repo, env = repo
-    (repo / "rewards" / "example.py").write_text((repo / "rewards" / "example.py").read_text() + "\n# edited\n")
+    (repo / "rewards" / "example.py").write_text(
+        (repo / "rewards" / "example.py").read_text() + "\n# edited\n"
+    )
     status = sh([DVC, "status"], repo, env)
     assert "train:" in status and "evaluate:" in status and "rewards" in status
     git(repo, env, "checkout", "--", "rewards/example.py")
@@ -177,8 +214,14 @@ def test_dataset_edited_behind_dvcs_back_stops_training(repo):
     train = repo / "data" / "clean" / "train.parquet"
     table = pq.read_table(train)
     pq.write_table(table.slice(1), train)  # one row fewer, still a valid parquet
-    res = subprocess.run(["scripts/py", "-m", "flows.train", "--config", "configs/arith_grpo.yaml"], cwd=repo,
-                         env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        ["scripts/py", "-m", "flows.train", "--config", "configs/arith_grpo.yaml"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 2  # our error, not a crash: the CLI's last word names the file and the fix
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("error: data/clean/train.parquet was changed outside DVC") and "dvc repro" in last

@@ -54,7 +54,9 @@ def _kill_when(proc: subprocess.Popen, out: Path, name: str, timeout: float = 60
             proc.wait(60)
             return
         if proc.poll() is not None:
-            raise AssertionError(f"the run ended before {name} ({proc.returncode}): {proc.stdout.read()[-3000:]}")
+            raise AssertionError(
+                f"the run ended before {name} ({proc.returncode}): {proc.stdout.read()[-3000:]}"
+            )
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     raise AssertionError(f"no {name} within {timeout} s")
@@ -67,13 +69,29 @@ def test_sigkilled_run_resumes_to_the_same_state(start, whole, prefect_api):
 
     root, ov = start
     out = root / "killed"
-    cmd = [sys.executable, "-m", "flows.train", "--config", "configs/arith_grpo.yaml", *ov,
-           f"trainer.output_dir={out}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.train",
+        "--config",
+        "configs/arith_grpo.yaml",
+        *ov,
+        f"trainer.output_dir={out}",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_API_URL": prefect_api}  # the tests' one server
-    proc = subprocess.Popen(cmd, cwd=os.getcwd(), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=os.getcwd(),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     _kill_when(proc, out, "iter_000002")
-    killed_run = json.loads((run_dir(out) / "checkpoints" / "iter_000002" / "state.json").read_text())["mlflow_run_id"]
+    killed_run = json.loads((run_dir(out) / "checkpoints" / "iter_000002" / "state.json").read_text())[
+        "mlflow_run_id"
+    ]
     resumed = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={out}"])
 
     assert _same_final_model(whole, resumed)
@@ -151,8 +169,10 @@ def test_rollout_and_policy_workers_killed_mid_run(start, whole, monkeypatch):
     killed: dict[str, int] = {}
 
     def killer():
-        for name, after, title in (("rollout", "iter_000001", "ray::RolloutWorker"),
-                                   ("policy", "iter_000002", "ray::PolicyWorker")):
+        for name, after, title in (
+            ("rollout", "iter_000001", "ray::RolloutWorker"),
+            ("policy", "iter_000002", "ray::PolicyWorker"),
+        ):
             deadline = time.time() + 300
             while time.time() < deadline and latest_checkpoint(out) != after:
                 time.sleep(0.02)
@@ -164,7 +184,9 @@ def test_rollout_and_policy_workers_killed_mid_run(start, whole, monkeypatch):
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
     # a rollout actor of its own (the uninterrupted run samples in its policy worker: the same samples)
-    info = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={out}", "trainer.rollout_placement=separate"])
+    info = train_flow(
+        "configs/arith_grpo.yaml", ov + [f"trainer.output_dir={out}", "trainer.rollout_placement=separate"]
+    )
     thread.join(30)
     assert killed == {"rollout": 1, "policy": 1}, killed
     assert sorted(scored) == list(range(1, ITERATIONS + 1))  # each iteration's samples scored exactly once
@@ -194,9 +216,17 @@ def test_two_engines_with_health_checks_survive_one_killed(start):
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
-    info = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={out}", "trainer.rollout_placement=separate",
-                                                        "engine.num_engines=2", "engine.health_check=true",
-                                                        "trainer.iterations=3"])
+    info = train_flow(
+        "configs/arith_grpo.yaml",
+        ov
+        + [
+            f"trainer.output_dir={out}",
+            "trainer.rollout_placement=separate",
+            "engine.num_engines=2",
+            "engine.health_check=true",
+            "trainer.iterations=3",
+        ],
+    )
     thread.join(30)
     client = MlflowClient(f"sqlite:///{root}/mlruns.db")
     restarts = client.get_metric_history(info["run_id"], "rollout/engine_restarts")
@@ -232,10 +262,19 @@ def test_a_signal_stops_the_run_at_once_leaving_nothing_and_a_resume_is_exact(st
 
     root, ov = start
     out = root / f"signalled_{sig.name}"
-    cmd = [sys.executable, "-m", "flows.train", "--config", "configs/arith_grpo.yaml", *ov, f"trainer.output_dir={out}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.train",
+        "--config",
+        "configs/arith_grpo.yaml",
+        *ov,
+        f"trainer.output_dir={out}",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_API_URL": prefect_api}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     deadline = time.time() + 600
     while time.time() < deadline and latest_checkpoint(out) != "iter_000002" and proc.poll() is None:
         time.sleep(0.05)
@@ -252,7 +291,9 @@ def test_a_signal_stops_the_run_at_once_leaving_nothing_and_a_resume_is_exact(st
     assert last.startswith(f"error: interrupted ({sig.name}) at iteration") and "run the same command" in last
     assert "Traceback" not in output
     assert not _left(tree), _left(tree)
-    run_id = json.loads((run_dir(out) / "checkpoints" / "iter_000002" / "state.json").read_text())["mlflow_run_id"]
+    run_id = json.loads((run_dir(out) / "checkpoints" / "iter_000002" / "state.json").read_text())[
+        "mlflow_run_id"
+    ]
     assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(run_id).info.status == "KILLED"
     resumed = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={out}"])
     assert resumed["run_id"] == run_id and _same_final_model(whole, resumed)
@@ -263,10 +304,24 @@ def test_a_dead_prefect_server_stops_the_run_within_one_stage(start):
     its checkpoint intact, nothing left running (it used to train on blind, then drain events for hours)."""
     root, ov = start
     out = root / "prefect_died"
-    cmd = [sys.executable, "-m", "flows.train", "--config", "configs/arith_grpo.yaml", *ov, f"trainer.output_dir={out}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.train",
+        "--config",
+        "configs/arith_grpo.yaml",
+        *ov,
+        f"trainer.output_dir={out}",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # its own in-process server
-    proc = subprocess.Popen(cmd, env={**env, "PYTHONUNBUFFERED": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.time() + 600
     while time.time() < deadline and latest_checkpoint(out) != "iter_000001" and proc.poll() is None:
         time.sleep(0.05)

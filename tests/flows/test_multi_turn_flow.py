@@ -10,9 +10,17 @@ from tests.flows.conftest import sft_ready
 
 pytestmark = pytest.mark.slow
 
-TOOL = ("data.task=arith_tool", "data.tool_sft_fraction=0.5", 'data.operations=["*"]', "engine.max_new_tokens=64",
-        "actor.model.max_seq_len=160", "multi_turn.enable=true", "multi_turn.max_turns=2", "data.batch_size=4",
-        "reward_model.method=strict")
+TOOL = (
+    "data.task=arith_tool",
+    "data.tool_sft_fraction=0.5",
+    'data.operations=["*"]',
+    "engine.max_new_tokens=64",
+    "actor.model.max_seq_len=160",
+    "multi_turn.enable=true",
+    "multi_turn.max_turns=2",
+    "data.batch_size=4",
+    "reward_model.method=strict",
+)
 
 
 def test_tool_calling_pipeline_runs_and_logs_turns(tmp_path, prefect_harness, ray_local):

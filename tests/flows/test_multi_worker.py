@@ -34,16 +34,30 @@ def test_two_fsdp_workers_learn_as_one(tmp_path, prefect_harness, ray_local):
 
     # SGD: Adam's first steps are lr x sign(grad), so rounding noise in a near-zero gradient would move a weight
     # by lr and let the two runs sample different tokens; with SGD they stay within rounding
-    extra = ("algorithm.kl_loss_coef=0.04", "actor.ppo_mini_batch_size=16", "actor.optimizer.type=sgd",
-             "actor.optimizer.lr=0.5")
+    extra = (
+        "algorithm.kl_loss_coef=0.04",
+        "actor.ppo_mini_batch_size=16",
+        "actor.optimizer.type=sgd",
+        "actor.optimizer.lr=0.5",
+    )
     with sft_ready(tmp_path, ITERATIONS, extra) as ov:
         one = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={tmp_path}/one"])
-        two = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={tmp_path}/two",
-                                                          "trainer.num_workers=2", "trainer.strategy=fsdp",
-                                                          "trainer.ref_placement=separate"])
+        two = train_flow(
+            "configs/arith_grpo.yaml",
+            ov
+            + [
+                f"trainer.output_dir={tmp_path}/two",
+                "trainer.num_workers=2",
+                "trainer.strategy=fsdp",
+                "trainer.ref_placement=separate",
+            ],
+        )
     s1, s2 = scores(tmp_path, one["run_id"]), scores(tmp_path, two["run_id"])
     assert len(s1) == len(s2) == ITERATIONS
-    assert max(abs(a - b) for a, b in zip(s1, s2)) <= 1e-6, (s1, s2)  # the same rollouts, iteration by iteration
+    assert max(abs(a - b) for a, b in zip(s1, s2)) <= 1e-6, (
+        s1,
+        s2,
+    )  # the same rollouts, iteration by iteration
     from components.models import load_model
 
     w1 = dict(load_model(one["final_model"]).named_parameters())
@@ -52,7 +66,9 @@ def test_two_fsdp_workers_learn_as_one(tmp_path, prefect_harness, ray_local):
     assert moved > 1e-3 and max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-4
     kl = scores(tmp_path, two["run_id"], "actor/kl_loss")
     assert len(kl) == ITERATIONS and kl[-1] > 0
-    assert len(scores(tmp_path, two["run_id"], "timing_s/ref")) == ITERATIONS  # the reference in its own actor
+    assert (
+        len(scores(tmp_path, two["run_id"], "timing_s/ref")) == ITERATIONS
+    )  # the reference in its own actor
 
 
 def _free_port() -> int:
@@ -84,12 +100,20 @@ UPDATE_ACROSS_NODES = textwrap.dedent("""
 
 def _wait_for(port: int, env: dict, nodes: int = 1, timeout: float = 120) -> None:
     """Until the cluster at `port` has `nodes` live nodes."""
-    probe = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
-             "print(sum(n['Alive'] for n in ray.nodes()))")
+    probe = (
+        "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+        "print(sum(n['Alive'] for n in ray.nodes()))"
+    )
     deadline = time.time() + timeout
     while time.time() < deadline:
-        res = subprocess.run([sys.executable, "-c", probe, f"127.0.0.1:{port}"], env=env, capture_output=True,
-                             text=True, timeout=60, check=False)
+        res = subprocess.run(
+            [sys.executable, "-c", probe, f"127.0.0.1:{port}"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         if res.returncode == 0 and res.stdout.strip().splitlines()[-1:] == [str(nodes)]:
             return
         time.sleep(1)
@@ -98,23 +122,45 @@ def _wait_for(port: int, env: dict, nodes: int = 1, timeout: float = 120) -> Non
 
 def test_an_update_across_two_ray_nodes(tmp_path, tiny_model_dir):
     port = _free_port()
-    env = {**os.environ, "RAY_DEDUP_LOGS": "0", "RAY_AUTH_MODE": "disabled"}  # a token cluster needs RAY_AUTH_TOKEN
+    env = {
+        **os.environ,
+        "RAY_DEDUP_LOGS": "0",
+        "RAY_AUTH_MODE": "disabled",
+    }  # a token cluster needs RAY_AUTH_TOKEN
     env.pop("RAY_ADDRESS", None)
     ray_bin = str(Path(sys.executable).parent / "ray")
     common = ["--num-cpus=2", "--block", "--disable-usage-stats"]
-    head = subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", "--include-dashboard=false", *common],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    head = subprocess.Popen(
+        [ray_bin, "start", "--head", f"--port={port}", "--include-dashboard=false", *common],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     nodes = [head]
     try:
         _wait_for(port, env)
-        nodes.append(subprocess.Popen([ray_bin, "start", f"--address=127.0.0.1:{port}", *common], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        nodes.append(
+            subprocess.Popen(
+                [ray_bin, "start", f"--address=127.0.0.1:{port}", *common],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        )
         _wait_for(port, env, nodes=2)
         script = tmp_path / "update.py"
         script.write_text(UPDATE_ACROSS_NODES)
-        res = subprocess.run([sys.executable, str(script), str(tiny_model_dir)], cwd=Path(__file__).parents[2],
-                             env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "PYTHONPATH": str(Path(__file__).parents[2])},
-                             capture_output=True, text=True, timeout=600, check=False)
+        res = subprocess.run(
+            [sys.executable, str(script), str(tiny_model_dir)],
+            cwd=Path(__file__).parents[2],
+            env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "PYTHONPATH": str(Path(__file__).parents[2])},
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         import json
 
@@ -137,8 +183,11 @@ def _stop_cluster(nodes: list[subprocess.Popen], port: int) -> None:
         except (ProcessLookupError, subprocess.TimeoutExpired):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-    daemons = [q for q in psutil.process_iter(["cmdline"]) if any(f":{port}" in a or f"={port}" in a
-                                                                  for a in (q.info["cmdline"] or []))]
+    daemons = [
+        q
+        for q in psutil.process_iter(["cmdline"])
+        if any(f":{port}" in a or f"={port}" in a for a in (q.info["cmdline"] or []))
+    ]
     for q in daemons:
         with contextlib.suppress(psutil.NoSuchProcess):
             q.kill()

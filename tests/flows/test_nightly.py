@@ -20,11 +20,19 @@ pytestmark = pytest.mark.slow
 
 def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect_api):
     ov = small_overrides(tmp_path, iterations=6) + ["trainer.save_interval=1"]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db", "PYTHONUNBUFFERED": "1",
-           "PREFECT_API_URL": prefect_api}
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db",
+        "PYTHONUNBUFFERED": "1",
+        "PREFECT_API_URL": prefect_api,
+    }
     cmd = [sys.executable, "-m", "flows.nightly", "--config", "configs/arith_grpo.yaml", *ov]
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        for _ in range(2)
+    ]
     deadline, loser = time.time() + 600, None
     while time.time() < deadline and latest_checkpoint(tmp_path / "grpo") is None:
         for p in procs:
@@ -45,7 +53,7 @@ def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect
 
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
-    result = json.loads(res.stdout[res.stdout.index("{"):])
+    result = json.loads(res.stdout[res.stdout.index("{") :])
     assert result["train"]["run_id"] == run_id  # the crashed run was continued, not started over
     assert (ckpts / "latest").read_text().strip() == "iter_000006"
     # its model is version 1 of the registered model, the champion, pointing at the logged model (never at files

@@ -21,8 +21,11 @@ CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "arith_grpo.yaml"
 
 def snapshot(root: Path) -> dict[str, str]:
     """sha256 of every file under `root` (relative names)."""
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,9 @@ def trained(tmp_path_factory, prefect_harness, ray_local):
     from flows.train import train_flow
 
     root = tmp_path_factory.mktemp("outputs")
-    with sft_ready(root, 2, ("trainer.save_interval=1", "trainer.test_interval=2", "trainer.eval_size=8")) as ov:
+    with sft_ready(
+        root, 2, ("trainer.save_interval=1", "trainer.test_interval=2", "trainer.eval_size=8")
+    ) as ov:
         info = train_flow(CONFIG, ov)
         yield root, ov, info
 
@@ -96,7 +101,9 @@ def test_an_edited_custom_reward_starts_a_fresh_run(trained, monkeypatch):
     reward.write_text("def compute_score(text, truth, extra):\n    return float(truth in text)\n")
     args = ov + ["custom_reward_function.path=rewards/mine.py", "trainer.iterations=1"]
     first = train_flow(CONFIG, args)
-    reward.write_text("def compute_score(text, truth, extra):\n    return float(text.strip().endswith(truth))\n")
+    reward.write_text(
+        "def compute_score(text, truth, extra):\n    return float(text.strip().endswith(truth))\n"
+    )
     second = train_flow(CONFIG, args)  # the same command: not "already finished", a new run from iteration 1
     assert Path(second["final_model"]).parent != Path(first["final_model"]).parent
     client = MlflowClient(f"sqlite:///{root}/mlruns.db")
@@ -114,14 +121,18 @@ def test_more_iterations_extend_a_finished_run_and_the_history_says_so(trained):
     child = client.get_run(more["run_id"])
     assert more["run_id"] != info["run_id"] and child.data.tags["mlflow.parentRunId"] == info["run_id"]
     assert child.data.tags["reinforge.extends"] == f"{info['run_id']} at iteration 2"
-    assert [m.step for m in client.get_metric_history(more["run_id"], "critic/score/mean")] == [3]  # only the extra
+    assert [m.step for m in client.get_metric_history(more["run_id"], "critic/score/mean")] == [
+        3
+    ]  # only the extra
     assert mlflow_view(root, info["run_id"]) == view  # the finished run: not renamed, not reopened
     run = json.loads((Path(info["final_model"]).parent / "run.json").read_text())
     assert run["iterations"] == 3 and run["mlflow_runs"] == [info["run_id"], more["run_id"]]
     assert (Path(info["final_model"]).parent / "checkpoints" / "iter_000003").is_dir()
 
 
-def test_outputs_that_are_not_ours_are_refused_before_any_work(tmp_path, prefect_harness, capsys, monkeypatch):
+def test_outputs_that_are_not_ours_are_refused_before_any_work(
+    tmp_path, prefect_harness, capsys, monkeypatch
+):
     """`sft.output_dir=.`, `..`, the run directory itself, and `reward-model --out` onto a directory holding a
     file of the user's: refused before any work, every file still there."""
     from flows.reward_model import main as reward_model
@@ -134,10 +145,21 @@ def test_outputs_that_are_not_ours_are_refused_before_any_work(tmp_path, prefect
     (project / "mine" / "data.csv").write_text("a,b\n1,2\n")
     monkeypatch.chdir(project)
     before = snapshot(project)
-    base = ["--config", CONFIG, f"trainer.run_dir={project}", "data.raw_dir=raw", "data.quarantine_dir=q",
-            "data.train_path=train.parquet", "data.eval_path=test.parquet", "trainer.output_dir=out"]
-    for value, message in ((".", "that is the run directory"), ("..", "outside the run directory"),
-                           (str(project), "that is the run directory")):
+    base = [
+        "--config",
+        CONFIG,
+        f"trainer.run_dir={project}",
+        "data.raw_dir=raw",
+        "data.quarantine_dir=q",
+        "data.train_path=train.parquet",
+        "data.eval_path=test.parquet",
+        "trainer.output_dir=out",
+    ]
+    for value, message in (
+        (".", "that is the run directory"),
+        ("..", "outside the run directory"),
+        (str(project), "that is the run directory"),
+    ):
         assert sft([*base, f"sft.output_dir={value}"]) == 2
         err = capsys.readouterr().err
         assert f"sft.output_dir={value}" in err and message in err, err

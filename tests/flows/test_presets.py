@@ -15,15 +15,27 @@ pytestmark = pytest.mark.slow
 
 ITERATIONS = 1  # each preset's own path runs in its first iteration
 OWN_METRICS = {
-    "ppo": ["critic/vf_loss", "critic/vf_clipfrac", "critic/vf_explained_var", "critic/values/mean",
-            "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "timing_s/values", "timing_s/update_critic"],
+    "ppo": [
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/vf_explained_var",
+        "critic/values/mean",
+        "actor/reward_kl_penalty",
+        "actor/reward_kl_penalty_coeff",
+        "timing_s/values",
+        "timing_s/update_critic",
+    ],
     "dapo": ["dynamic_sampling/groups_kept", "dynamic_sampling/gen_rounds", "reward/overlong_penalty_mean"],
     "remax": ["reward/greedy_baseline_mean"],
     "grpo": ["actor/kl_loss", "actor/kl_coef"],
 }
 EXTRA = {  # exercise the KL paths too: in the reward (adaptive) with PPO, in the loss with GRPO
-    "ppo": ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl=adaptive", "actor.ppo_mini_batch_size=16",
-            "actor.ppo_epochs=2"],
+    "ppo": [
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl=adaptive",
+        "actor.ppo_mini_batch_size=16",
+        "actor.ppo_epochs=2",
+    ],
     "grpo": ["algorithm.kl_loss_coef=0.04"],
 }
 
@@ -40,15 +52,27 @@ def test_preset_trains_without_nan(shared_start, preset):
     from flows.train import train_flow
 
     root, ov = shared_start
-    info = train_flow("configs/arith_grpo.yaml",
-                      ov + [f"algorithm.name={preset}", f"trainer.output_dir={root}/{preset}"] + EXTRA.get(preset, []))
+    info = train_flow(
+        "configs/arith_grpo.yaml",
+        ov + [f"algorithm.name={preset}", f"trainer.output_dir={root}/{preset}"] + EXTRA.get(preset, []),
+    )
     client = MlflowClient(f"sqlite:///{root}/mlruns.db")
     run = client.get_run(info["run_id"])
     assert run.info.status == "FINISHED" and run.data.params["algorithm.name"] == preset
     metrics = run.data.metrics
     assert not [k for k, v in metrics.items() if not math.isfinite(v)]
-    for key in ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
-                "actor/grad_norm", "critic/advantages/mean", "critic/advantages/max", "critic/advantages/min",
-                "critic/returns/mean", "reward/invalid_count"] + OWN_METRICS.get(preset, []):
+    for key in [
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/pg_clipfrac_lower",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/grad_norm",
+        "critic/advantages/mean",
+        "critic/advantages/max",
+        "critic/advantages/min",
+        "critic/returns/mean",
+        "reward/invalid_count",
+    ] + OWN_METRICS.get(preset, []):
         steps = sorted(m.step for m in client.get_metric_history(info["run_id"], key))
         assert steps == list(range(1, ITERATIONS + 1)), (key, steps)

@@ -29,16 +29,21 @@ def test_a_retried_flow_run_takes_finished_stages_from_the_cache(tmp_path, prefe
 
     @flow(retries=1, retry_delay_seconds=0)
     def pipeline() -> None:
-        states = {"prepare": prepare_data(cfg, return_state=True), "clean": clean_data(cfg, return_state=True),
-                  "sft": run_sft(cfg, return_state=True)}
+        states = {
+            "prepare": prepare_data(cfg, return_state=True),
+            "clean": clean_data(cfg, return_state=True),
+            "sft": run_sft(cfg, return_state=True),
+        }
         states["eval"] = evaluate_model(cfg.sft.output_dir, cfg.data.eval_path, cfg, return_state=True)
         attempts.append({k: s.name for k, s in states.items()})
         if len(attempts) == 1:
             raise ConnectionError("the machine went away after the stages finished")  # the run fails here
 
     pipeline()
-    assert attempts == [{"prepare": "Completed", "clean": "Completed", "sft": "Completed", "eval": "Completed"},
-                        {"prepare": "Cached", "clean": "Cached", "sft": "Cached", "eval": "Cached"}]
+    assert attempts == [
+        {"prepare": "Completed", "clean": "Completed", "sft": "Completed", "eval": "Completed"},
+        {"prepare": "Cached", "clean": "Cached", "sft": "Cached", "eval": "Cached"},
+    ]
 
 
 def test_changed_inputs_and_deleted_outputs_run_the_stage_again(tmp_path, prefect_harness):
@@ -54,7 +59,9 @@ def test_changed_inputs_and_deleted_outputs_run_the_stage_again(tmp_path, prefec
 
     assert data(cfg) == ("Completed", "Completed")
     before = mtimes(raw, clean)
-    assert data(cfg) == ("Cached", "Cached") and mtimes(raw, clean) == before  # bodies not run: files untouched
+    assert (
+        data(cfg) == ("Cached", "Cached") and mtimes(raw, clean) == before
+    )  # bodies not run: files untouched
 
     clean.unlink()  # an output gone (as `dvc repro` deletes it before rerunning the stage)
     assert data(cfg) == ("Cached", "Completed") and clean.is_file()
@@ -103,8 +110,14 @@ def test_another_checkout_never_gets_this_ones_cached_results(tmp_path, prefect_
                 (checkout / f).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(root / f, checkout / f)
         work = tmp_path / "work"  # the same absolute data paths for both: only the checkout differs
-        res = subprocess.run([sys.executable, "-m", "flows.data", "--step", "prepare", *small_overrides(work)],
-                             cwd=checkout, env=env, capture_output=True, text=True, timeout=600)
+        res = subprocess.run(
+            [sys.executable, "-m", "flows.data", "--step", "prepare", *small_overrides(work)],
+            cwd=checkout,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert res.returncode == 0, res.stderr[-2000:]
         outputs.setdefault(name, []).append(res.stderr)
     a_first, a_again = outputs["a"]

@@ -42,8 +42,16 @@ def test_each_iteration_logged_exactly_once(pipeline_run):
     client = MlflowClient(f"sqlite:///{root}/mlruns.db")
     run = client.get_run(info["run_id"])
     assert run.info.status == "FINISHED"
-    for key in ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac",
-                "response_length/mean", "timing_s/gen", "timing_s/update_actor"):
+    for key in (
+        "critic/score/mean",
+        "actor/pg_loss",
+        "actor/entropy",
+        "actor/grad_norm",
+        "actor/pg_clipfrac",
+        "response_length/mean",
+        "timing_s/gen",
+        "timing_s/update_actor",
+    ):
         steps = sorted(m.step for m in client.get_metric_history(info["run_id"], key))
         assert steps == list(range(1, ITERATIONS + 1)), (key, steps)
     val_steps = sorted(m.step for m in client.get_metric_history(info["run_id"], "val/arith/acc"))
@@ -59,7 +67,10 @@ def test_each_iteration_logged_exactly_once(pipeline_run):
     assert {"checkpoints", "reward_curve.png", "run.json"} <= artifacts
     model = client.get_logged_model(info["model_id"])  # the final model: a logged model of its own
     assert model.source_run_id == info["run_id"] and str(model.status) in ("READY", "LoggedModelStatus.READY")
-    assert {m.key for m in model.metrics or []} >= {"eval/acc", "eval/n"}  # the evaluation of that exact model
+    assert {m.key for m in model.metrics or []} >= {
+        "eval/acc",
+        "eval/n",
+    }  # the evaluation of that exact model
 
 
 def test_checkpoint_reloads_into_an_equal_model(pipeline_run):
@@ -81,11 +92,16 @@ def test_every_model_directory_of_the_run_reloads_the_tokenizer_it_was_trained_w
 
     root, info, _ = pipeline_run
     trained = build_char_tokenizer()
-    dirs = [root / "sft", info["final_model"], *(c / "model" for c in (run_dir(root / "grpo") / "checkpoints").glob("iter_*"))]
+    dirs = [
+        root / "sft",
+        info["final_model"],
+        *(c / "model" for c in (run_dir(root / "grpo") / "checkpoints").glob("iter_*")),
+    ]
     for d in dirs:
         loaded = load_tokenizer(d)
-        assert [loaded(t, add_special_tokens=False)["input_ids"] for t in CORPUS] == \
-            [trained(t, add_special_tokens=False)["input_ids"] for t in CORPUS], d
+        assert [loaded(t, add_special_tokens=False)["input_ids"] for t in CORPUS] == [
+            trained(t, add_special_tokens=False)["input_ids"] for t in CORPUS
+        ], d
 
 
 def test_eval_json_has_both_accuracies(pipeline_run):
@@ -105,8 +121,11 @@ def test_grpo_trains_with_the_tiny_reward_model(pipeline_run):
     ov = small_overrides(root, 3) + [f"trainer.output_dir={root}/grpo_rm"]
     fit = reward_model_flow("configs/arith_grpo.yaml", ov, str(root / "rm"), steps=20, batch_size=32, lr=1e-3)
     assert 0.0 <= fit["heldout_pair_accuracy"] <= 1.0
-    info = train_flow("configs/arith_grpo.yaml", ov + [f"reward_model.path={root}/rm", "reward_model.rule_weight=0.5",
-                                                       "reward_model.model_weight=0.5"])
+    info = train_flow(
+        "configs/arith_grpo.yaml",
+        ov
+        + [f"reward_model.path={root}/rm", "reward_model.rule_weight=0.5", "reward_model.model_weight=0.5"],
+    )
     client = MlflowClient(f"sqlite:///{root}/mlruns.db")
     history = lambda key: client.get_metric_history(info["run_id"], key)  # noqa: E731
     model, rule = (history(f"reward/{k}/mean") for k in ("model_score", "rule_score"))

@@ -26,8 +26,9 @@ def base_model(path: Path, hidden: int = 32, template: bool = False) -> Path:
     tok = build_char_tokenizer()
     if not template:
         tok.chat_template = None
-    model = build_tiny_model(tok, hidden_size=hidden, num_layers=1, num_heads=2, intermediate_size=64,
-                             max_positions=64, seed=0)
+    model = build_tiny_model(
+        tok, hidden_size=hidden, num_layers=1, num_heads=2, intermediate_size=64, max_positions=64, seed=0
+    )
     return save_pretrained(model, tok, path)
 
 
@@ -38,8 +39,10 @@ def jsonl(path: Path, rows: list[dict]) -> Path:
 
 def string_rows(count: int, start: int = 0) -> list[dict]:
     """TRL's standard form: the prompt a plain string; ground truths as ints, as a user's own file has them."""
-    return [{"data_source": "arith", "prompt": f"{a} + {a % 7} =", "reward_model": {"ground_truth": a + a % 7}}
-            for a in range(start, start + count)]
+    return [
+        {"data_source": "arith", "prompt": f"{a} + {a % 7} =", "reward_model": {"ground_truth": a + a % 7}}
+        for a in range(start, start + count)
+    ]
 
 
 @pytest.fixture()
@@ -52,12 +55,28 @@ def user_project(tmp_path, monkeypatch):
 
 
 def overrides(root: Path, *extra: str) -> list[str]:
-    return [f"trainer.run_dir={root}", f"data.train_path={root}/train.jsonl", f"data.eval_path={root}/test.jsonl",
-            f"actor.model.path={root}/base", f"trainer.output_dir={root}/out", f"data.raw_dir={root}/raw",
-            f"data.quarantine_dir={root}/quarantine", f"sft.output_dir={root}/sft", "data.batch_size=4", "engine.n=4",
-            "engine.max_new_tokens=4", "trainer.iterations=2", "trainer.test_interval=2", "trainer.save_interval=2",
-            "trainer.eval_k=2", "trainer.progress=false", "trainer.experiment_name=user", "reward_model.method=flexible",
-            "reward_model.format_score=0.1", *extra]
+    return [
+        f"trainer.run_dir={root}",
+        f"data.train_path={root}/train.jsonl",
+        f"data.eval_path={root}/test.jsonl",
+        f"actor.model.path={root}/base",
+        f"trainer.output_dir={root}/out",
+        f"data.raw_dir={root}/raw",
+        f"data.quarantine_dir={root}/quarantine",
+        f"sft.output_dir={root}/sft",
+        "data.batch_size=4",
+        "engine.n=4",
+        "engine.max_new_tokens=4",
+        "trainer.iterations=2",
+        "trainer.test_interval=2",
+        "trainer.save_interval=2",
+        "trainer.eval_k=2",
+        "trainer.progress=false",
+        "trainer.experiment_name=user",
+        "reward_model.method=flexible",
+        "reward_model.format_score=0.1",
+        *extra,
+    ]
 
 
 def no_runs(root: Path) -> bool:
@@ -69,8 +88,9 @@ def no_runs(root: Path) -> bool:
 
 
 @pytest.mark.slow
-def test_plain_string_prompts_and_a_base_model_without_template_train_end_to_end(user_project, prefect_harness,
-                                                                                  ray_local):
+def test_plain_string_prompts_and_a_base_model_without_template_train_end_to_end(
+    user_project, prefect_harness, ray_local
+):
     from flows.train import train_flow
 
     info = train_flow(CONFIG, overrides(user_project))
@@ -78,7 +98,9 @@ def test_plain_string_prompts_and_a_base_model_without_template_train_end_to_end
     run = client.get_run(info["run_id"])
     assert run.info.status == "FINISHED"
     invalid = client.get_metric_history(info["run_id"], "reward/invalid_count")
-    assert [m.step for m in invalid] == [1, 2] and all(m.value == 0 for m in invalid)  # int truths became strings
+    assert [m.step for m in invalid] == [1, 2] and all(
+        m.value == 0 for m in invalid
+    )  # int truths became strings
     assert "val/acc" in run.data.metrics and Path(info["final_model"], "model.safetensors").is_file()
 
 
@@ -109,7 +131,11 @@ def pickle_only_model(root: Path) -> list[str]:
 
 
 def messages_for_a_model_without_template(root: Path) -> list[str]:
-    row = {"data_source": "arith", "prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}
+    row = {
+        "data_source": "arith",
+        "prompt": [{"role": "user", "content": "1+1="}],
+        "reward_model": {"ground_truth": "2"},
+    }
     return [f"data.train_path={jsonl(root / 'msgs.jsonl', [row])}"]
 
 
@@ -117,23 +143,31 @@ def checkpoint_of_another_size(root: Path) -> list[str]:
     from components.tracking import checkpoints
 
     tok = build_char_tokenizer()
-    wider = build_tiny_model(tok, hidden_size=48, num_layers=1, num_heads=2, intermediate_size=64,
-                             max_positions=64, seed=0)
-    ckpt = checkpoints.save_checkpoint(root / "ckpts", 1, lambda out: save_pretrained(wider, tok, out / "model"),
-                                       {"fingerprint": "another run"})
-    return [f"trainer.resume_mode={ckpt}", "trainer.resume_accept_mismatch=true"]  # past the fingerprint check
+    wider = build_tiny_model(
+        tok, hidden_size=48, num_layers=1, num_heads=2, intermediate_size=64, max_positions=64, seed=0
+    )
+    ckpt = checkpoints.save_checkpoint(
+        root / "ckpts",
+        1,
+        lambda out: save_pretrained(wider, tok, out / "model"),
+        {"fingerprint": "another run"},
+    )
+    return [
+        f"trainer.resume_mode={ckpt}",
+        "trainer.resume_accept_mismatch=true",
+    ]  # past the fingerprint check
 
 
 BAD_INPUTS = {
     no_reward_model_column: r"data\.train_path=.*bad\.jsonl: 1 of 1 rows fail validation: row 0, column "
-                            r"reward_model: missing_column",
+    r"reward_model: missing_column",
     empty_prompt_and_no_ground_truth: r"row 2, column prompt: empty",
     model_without_weights: r"actor\.model\.path=.*base: config\.json is there but no weights",
     pickle_only_model: r"actor\.model\.path=.*: its weights are only in pickle format \(pytorch_model\.bin\)",
     messages_for_a_model_without_template: r"data\.apply_chat_template: the tokenizer of .*base has no chat "
-                                           r"template, but the prompts of .*msgs\.jsonl are chat messages",
+    r"template, but the prompts of .*msgs\.jsonl are chat messages",
     checkpoint_of_another_size: r"iter_000001: its model differs in shape from actor\.model\.path=.*base "
-                                r"\(hidden_size 48 vs 32",
+    r"\(hidden_size 48 vs 32",
 }
 
 
@@ -200,12 +234,22 @@ def test_the_cli_prints_one_line_and_no_prefect_traceback(user_project, prefect_
     jsonl(user_project / "bad.jsonl", [{"data_source": "arith", "prompt": "1+1="}])
     argv = overrides(user_project, f"data.train_path={user_project}/bad.jsonl")
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
-    res = subprocess.run([sys.executable, "-m", "flows.cli", "train", *argv], capture_output=True, text=True,
-                         timeout=300, env=env)
+    res = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "train", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr and res.stderr.count("missing_column") == 1, res.stderr
-    res = subprocess.run([sys.executable, "-m", "flows.cli", "train", "--debug", *argv], capture_output=True,
-                         text=True, timeout=300, env=env)
+    res = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "train", "--debug", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert res.returncode == 2 and "Traceback" in res.stderr
 
 
@@ -214,7 +258,10 @@ def test_sft_needs_an_answer_per_row_that_fits_the_model(user_project, prefect_h
 
     argv = overrides(user_project, "sft.steps=1", "sft.hidden_size=16", "sft.num_heads=2")
     assert main(["--config", CONFIG, *argv]) == 2
-    assert "rows have no answer to train on (column extra_info.answer), the first: row 0" in capsys.readouterr().err
+    assert (
+        "rows have no answer to train on (column extra_info.answer), the first: row 0"
+        in capsys.readouterr().err
+    )
     rows = [{**r, "extra_info": {"answer": "#### " + "9" * 60}} for r in string_rows(3)]
     jsonl(user_project / "train.jsonl", rows)
     assert main(["--config", CONFIG, *argv]) == 2
@@ -225,17 +272,23 @@ def test_sft_needs_an_answer_per_row_that_fits_the_model(user_project, prefect_h
 
 # ---- rewards that cannot be trained on stop the run; services that do not answer stop it at once ---------------
 
+
 def _reward_file(root: Path, body: str) -> str:
     (root / "rewards").mkdir(exist_ok=True)
-    (root / "rewards" / "mine.py").write_text(f"import time\n\ndef compute_score(text, truth, extra):\n    {body}\n")
+    (root / "rewards" / "mine.py").write_text(
+        f"import time\n\ndef compute_score(text, truth, extra):\n    {body}\n"
+    )
     return "custom_reward_function.path=rewards/mine.py"
 
 
 @pytest.mark.slow
-def test_a_bool_returning_reward_stops_the_run_at_iteration_one(user_project, prefect_harness, ray_local, capsys,
-                                                                monkeypatch):
+def test_a_bool_returning_reward_stops_the_run_at_iteration_one(
+    user_project, prefect_harness, ray_local, capsys, monkeypatch
+):
     monkeypatch.chdir(user_project)  # a custom reward file lives inside the project
-    rc, err = run_train(overrides(user_project, _reward_file(user_project, "return text.strip() == truth")), capsys)
+    rc, err = run_train(
+        overrides(user_project, _reward_file(user_project, "return text.strip() == truth")), capsys
+    )
     assert rc == 2 and "returned bool False for sample 0" in err and "compute_score" in err, err
     assert "Traceback" not in err
     client = MlflowClient(f"sqlite:///{user_project}/mlruns.db")
@@ -244,16 +297,19 @@ def test_a_bool_returning_reward_stops_the_run_at_iteration_one(user_project, pr
 
 
 @pytest.mark.slow
-def test_a_sleeping_reward_is_killed_at_the_stage_timeout_with_no_process_left(user_project, prefect_harness,
-                                                                               ray_local, capsys, monkeypatch):
+def test_a_sleeping_reward_is_killed_at_the_stage_timeout_with_no_process_left(
+    user_project, prefect_harness, ray_local, capsys, monkeypatch
+):
     import time
 
     import psutil
 
     monkeypatch.chdir(user_project)
     start = time.monotonic()
-    rc, err = run_train(overrides(user_project, _reward_file(user_project, "time.sleep(600)"),
-                                  "trainer.stage_timeout_s=5"), capsys)
+    rc, err = run_train(
+        overrides(user_project, _reward_file(user_project, "time.sleep(600)"), "trainer.stage_timeout_s=5"),
+        capsys,
+    )
     assert rc == 2 and "did not finish within trainer.stage_timeout_s=5 s" in err, err
     assert time.monotonic() - start < 60
     left = [p for p in psutil.Process().children(recursive=True) if "RewardScorer" in " ".join(p.cmdline())]
@@ -271,8 +327,10 @@ def test_a_custom_reward_outside_the_project_is_refused_at_config_validation(tmp
     assert main(["--config", CONFIG, f"custom_reward_function.path={tmp_path}/outside.py"]) == 2
     assert "outside the project" in capsys.readouterr().err
     assert main(["--config", CONFIG, "custom_reward_function.path=two.py"]) == 2
-    assert "compute_score(text, truth), but a reward function is called as compute_score(response_text, " \
-           "ground_truth, extra_info)" in capsys.readouterr().err
+    assert (
+        "compute_score(text, truth), but a reward function is called as compute_score(response_text, "
+        "ground_truth, extra_info)" in capsys.readouterr().err
+    )
 
 
 def _closed_port() -> int:
@@ -283,11 +341,14 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("variable,value,message", [
-    ("RAY_ADDRESS", "127.0.0.1:{port}", "no Ray cluster answers there"),
-    ("MLFLOW_TRACKING_URI", "http://127.0.0.1:{port}", "no MLflow server answers there"),
-    ("PREFECT_API_URL", "http://127.0.0.1:{port}/api", "no Prefect server answers there"),
-])
+@pytest.mark.parametrize(
+    "variable,value,message",
+    [
+        ("RAY_ADDRESS", "127.0.0.1:{port}", "no Ray cluster answers there"),
+        ("MLFLOW_TRACKING_URI", "http://127.0.0.1:{port}", "no MLflow server answers there"),
+        ("PREFECT_API_URL", "http://127.0.0.1:{port}/api", "no Prefect server answers there"),
+    ],
+)
 def test_an_unreachable_service_is_one_line_within_the_timeout(capsys, monkeypatch, variable, value, message):
     import time
 

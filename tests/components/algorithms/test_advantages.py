@@ -247,7 +247,9 @@ def test_reinforce_plus_plus_baseline_hand_computed():
     r, m = seq_rewards([1.0, 0.0, 1.0, 1.0], length=2)
     adv, _ = ADVANTAGES.get("reinforce_plus_plus_baseline")(r, m, torch.tensor([0, 0, 1, 1]), None, P)
     z = 0.5 / math.sqrt(1 / 7 + 1e-8)
-    torch.testing.assert_close(adv, torch.tensor([[z, z], [-z, -z], [0.0, 0.0], [0.0, 0.0]]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        adv, torch.tensor([[z, z], [-z, -z], [0.0, 0.0], [0.0, 0.0]]), atol=1e-4, rtol=0
+    )
 
 
 def test_remax_hand_computed():
@@ -275,5 +277,7 @@ def test_gae_hand_computed_with_lambda():
 
 def test_dr_grpo_estimator_never_divides_by_std():
     r, m = seq_rewards([3.0, 1.0, 2.0])
-    adv, _ = ADVANTAGES.get("dr_grpo")(r, m, torch.tensor([0, 0, 0]), None, AdvantageParams(norm_adv_by_std=True))
+    adv, _ = ADVANTAGES.get("dr_grpo")(
+        r, m, torch.tensor([0, 0, 0]), None, AdvantageParams(norm_adv_by_std=True)
+    )
     torch.testing.assert_close(adv[:, 0], torch.tensor([1.0, -1.0, 0.0]))

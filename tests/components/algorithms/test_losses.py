@@ -12,18 +12,22 @@ MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
 AGG = AggParams(num_tokens=4, num_seqs=2, norm_const=3)
 
 
-@pytest.mark.parametrize("mode,expected", [
-    ("token-mean", (1 + 2 + 3 + 4) / 4),  # 2.5
-    ("seq-mean-token-sum", (6 + 4) / 2),  # 5
-    ("seq-mean-token-mean", (6 / 3 + 4 / 1) / 2),  # 3
-    ("seq-mean-token-sum-norm", 10 / (2 * 3)),  # 1.6667
-])
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("token-mean", (1 + 2 + 3 + 4) / 4),  # 2.5
+        ("seq-mean-token-sum", (6 + 4) / 2),  # 5
+        ("seq-mean-token-mean", (6 / 3 + 4 / 1) / 2),  # 3
+        ("seq-mean-token-sum-norm", 10 / (2 * 3)),  # 1.6667
+    ],
+)
 def test_agg_modes_hand_computed(mode, expected):
     assert math.isclose(float(agg_loss(LOSS, MASK, mode, AGG)), expected, rel_tol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                  "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
 def test_agg_parts_with_global_counts_sum_to_whole(mode):
     whole = agg_loss(LOSS, MASK, mode, AGG)
     parts = agg_loss(LOSS[:1], MASK[:1], mode, AGG) + agg_loss(LOSS[1:], MASK[1:], mode, AGG)
@@ -69,18 +73,36 @@ def test_ppo_clip_hand_computed():
 
 def test_dual_clip_bounds_negative_advantage_loss():
     # ratio e^{2} = 7.39 with A = -1: clipped loss max(7.39, 1.2) = 7.39 -> dual clip min(7.39, 3) = 3
-    loss, m = vanilla_ppo(torch.tensor([[2.0]]), torch.zeros(1, 1), torch.tensor([[-1.0]]), torch.ones(1, 1),
-                          PolicyLossParams(0.2, 0.2, 3.0), AggParams(1, 1))
+    loss, m = vanilla_ppo(
+        torch.tensor([[2.0]]),
+        torch.zeros(1, 1),
+        torch.tensor([[-1.0]]),
+        torch.ones(1, 1),
+        PolicyLossParams(0.2, 0.2, 3.0),
+        AggParams(1, 1),
+    )
     assert math.isclose(float(loss), 3.0, rel_tol=1e-6)
     assert float(m["actor/pg_clipfrac_lower"]) == 1.0
 
 
 def test_clip_higher_is_asymmetric():
     logp = torch.tensor([[math.log(1.25)]])
-    loss_sym, _ = vanilla_ppo(logp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1),
-                              PolicyLossParams(0.2, 0.2), AggParams(1, 1))
-    loss_high, _ = vanilla_ppo(logp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1),
-                               PolicyLossParams(0.2, 0.28), AggParams(1, 1))
+    loss_sym, _ = vanilla_ppo(
+        logp,
+        torch.zeros(1, 1),
+        torch.ones(1, 1),
+        torch.ones(1, 1),
+        PolicyLossParams(0.2, 0.2),
+        AggParams(1, 1),
+    )
+    loss_high, _ = vanilla_ppo(
+        logp,
+        torch.zeros(1, 1),
+        torch.ones(1, 1),
+        torch.ones(1, 1),
+        PolicyLossParams(0.2, 0.28),
+        AggParams(1, 1),
+    )
     assert math.isclose(float(loss_sym), -1.2, rel_tol=1e-6)
     assert math.isclose(float(loss_high), -1.25, rel_tol=1e-6)
 
@@ -103,13 +125,25 @@ def test_gspo_uses_the_sequence_ratio():
 
     # token log-ratios 0.2 and 0.0 -> sequence ratio e^{0.1} = 1.10517, inside clip 0.2: loss = -A s
     logp = torch.tensor([[0.2, 0.0]], requires_grad=True)
-    loss, m = gspo(logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
-                   PolicyLossParams(0.2, 0.2, agg_mode="seq-mean-token-mean"), AggParams(2, 1))
+    loss, m = gspo(
+        logp,
+        torch.zeros(1, 2),
+        torch.ones(1, 2),
+        torch.ones(1, 2),
+        PolicyLossParams(0.2, 0.2, agg_mode="seq-mean-token-mean"),
+        AggParams(2, 1),
+    )
     assert math.isclose(float(loss), -math.exp(0.1), rel_tol=1e-6)
     loss.backward()  # d/dlogp_t of -mean_t(s) = -s / 2 for each token
     torch.testing.assert_close(logp.grad, torch.full((1, 2), -math.exp(0.1) / 2))
-    clipped, _ = gspo(torch.tensor([[1.0, 1.0]]), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
-                      PolicyLossParams(0.2, 0.2, agg_mode="seq-mean-token-mean"), AggParams(2, 1))
+    clipped, _ = gspo(
+        torch.tensor([[1.0, 1.0]]),
+        torch.zeros(1, 2),
+        torch.ones(1, 2),
+        torch.ones(1, 2),
+        PolicyLossParams(0.2, 0.2, agg_mode="seq-mean-token-mean"),
+        AggParams(2, 1),
+    )
     assert math.isclose(float(clipped), -1.2, rel_tol=1e-6)
 
 
@@ -118,8 +152,14 @@ def test_cispo_clips_the_weight_but_keeps_the_gradient():
 
     # ratio e^{0.5} = 1.6487 clipped to 1.2; L = -A * 1.2 * logp; dL/dlogp = -1.2 (not 0 as in PPO clip)
     logp = torch.tensor([[0.5]], requires_grad=True)
-    loss, m = cispo(logp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), PolicyLossParams(0.2, 0.2),
-                    AggParams(1, 1))
+    loss, m = cispo(
+        logp,
+        torch.zeros(1, 1),
+        torch.ones(1, 1),
+        torch.ones(1, 1),
+        PolicyLossParams(0.2, 0.2),
+        AggParams(1, 1),
+    )
     assert math.isclose(float(loss), -1.2 * 0.5, rel_tol=1e-6)
     loss.backward()
     assert math.isclose(float(logp.grad), -1.2, rel_tol=1e-6)
@@ -145,8 +185,9 @@ def test_value_loss_hand_computed():
     # token 1: v 1.0, old 0.0, R 2.0, clip 0.5 -> clipped v 0.5: max((1-2)^2, (0.5-2)^2) = 2.25, clipped wins
     # token 2: v 0.2, old 0.0, R 0.0 -> inside the clip: max(0.04, 0.04) = 0.04
     v = torch.tensor([[1.0, 0.2]])
-    loss, m = value_loss(v, torch.zeros(1, 2), torch.tensor([[2.0, 0.0]]), torch.ones(1, 2), 0.5, "token-mean",
-                         AggParams(2, 1))
+    loss, m = value_loss(
+        v, torch.zeros(1, 2), torch.tensor([[2.0, 0.0]]), torch.ones(1, 2), 0.5, "token-mean", AggParams(2, 1)
+    )
     assert math.isclose(float(loss), 0.5 * (2.25 + 0.04) / 2, rel_tol=1e-6)
     assert float(m["critic/vf_clipfrac"]) == 0.5
 
@@ -183,19 +224,27 @@ def test_entropy_and_kl_enter_the_actor_loss_with_their_coefficients(tokenizer):
 
     g = torch.Generator().manual_seed(0)
     n, vocab = 4, len(tokenizer)
-    batch = Batch({"prompts": torch.randint(3, vocab, (n, 3), generator=g),
-                   "prompt_mask": torch.ones(n, 3, dtype=torch.long),
-                   "responses": torch.randint(3, vocab, (n, 4), generator=g),
-                   "response_mask": torch.ones(n, 4, dtype=torch.long), "advantages": torch.zeros(n, 4)})
+    batch = Batch(
+        {
+            "prompts": torch.randint(3, vocab, (n, 3), generator=g),
+            "prompt_mask": torch.ones(n, 3, dtype=torch.long),
+            "responses": torch.randint(3, vocab, (n, 4), generator=g),
+            "response_mask": torch.ones(n, 4, dtype=torch.long),
+            "advantages": torch.zeros(n, 4),
+        }
+    )
     ref = make_model(tokenizer, seed=1)
-    trainer = PolicyTrainer(make_model(tokenizer), ref, None, None,
-                            UpdateSettings(beta=0.5, entropy_coeff=0.1, kl_loss_type="k1"))
+    trainer = PolicyTrainer(
+        make_model(tokenizer), ref, None, None, UpdateSettings(beta=0.5, entropy_coeff=0.1, kl_loss_type="k1")
+    )
     batch = trainer.prepare(batch)
     agg = AggParams(float(n * 4), float(n))
     loss, m = trainer._micro_loss(batch, agg)
     # zero advantages: pg_loss = 0, so loss = -0.1 H + 0.5 KL exactly
     assert float(m["actor/pg_loss"]) == 0.0
-    assert math.isclose(float(loss), -0.1 * float(m["actor/entropy"]) + 0.5 * float(m["actor/kl_loss"]), rel_tol=1e-6)
+    assert math.isclose(
+        float(loss), -0.1 * float(m["actor/entropy"]) + 0.5 * float(m["actor/kl_loss"]), rel_tol=1e-6
+    )
     assert float(m["actor/kl_loss"]) != 0.0
 
 
@@ -221,7 +270,9 @@ def test_vanilla_ppo_loop_equals_vectorized():
     logp, old = -torch.rand(5, 6, generator=g) * 2, -torch.rand(5, 6, generator=g) * 2
     adv = torch.randn(5, 6, generator=g) * 2
     mask = (torch.rand(5, 6, generator=g) > 0.3).float()
-    loss, m = vanilla_ppo(logp, old, adv, mask, PolicyLossParams(0.2, 0.28, 3.0), AggParams(float(mask.sum()), 5))
+    loss, m = vanilla_ppo(
+        logp, old, adv, mask, PolicyLossParams(0.2, 0.28, 3.0), AggParams(float(mask.sum()), 5)
+    )
     expected, clipfrac = _vanilla_loop(logp, old, adv, mask, 0.2, 0.28, 3.0)
     assert math.isclose(float(loss), expected, rel_tol=1e-5)
     assert math.isclose(float(m["actor/pg_clipfrac"]), clipfrac, rel_tol=1e-6)

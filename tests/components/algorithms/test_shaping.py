@@ -10,8 +10,9 @@ from components.algorithms.shaping import KLController, informative_groups, kl_i
 def test_overlong_penalty_hand_computed():
     # max 10, buffer 4: free up to 6 tokens, then -1/4 per token, -1 at 10 (factor 1), capped at -factor
     lengths = torch.tensor([3, 6, 7, 8, 10, 12])
-    torch.testing.assert_close(overlong_penalty(lengths, 10, 4, 1.0),
-                               torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
+    torch.testing.assert_close(
+        overlong_penalty(lengths, 10, 4, 1.0), torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+    )
     torch.testing.assert_close(overlong_penalty(lengths, 10, 4, 0.5)[3], torch.tensor(-0.25))
     assert (overlong_penalty(lengths, 10, 0, 1.0) == 0).all()  # buffer 0: off
 

@@ -49,21 +49,40 @@ def trl_loss(loss_type: str, logp, old, ref, adv, mask) -> torch.Tensor:
 
     trainer = object.__new__(grpo_trainer.GRPOTrainer)
     attrs = dict(
-        loss_type=loss_type, beta=BETA, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, importance_sampling_level="token",
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False,
-        vllm_importance_sampling_correction=False, max_completion_length=T, aux_loss_enabled=False,
-        _entropy_bonus_enabled=False, use_adaptive_entropy=False, current_gradient_accumulation_steps=1,
-        model=SimpleNamespace(training=True), accelerator=_Accelerator(),
+        loss_type=loss_type,
+        beta=BETA,
+        epsilon_low=EPS_LOW,
+        epsilon_high=EPS_HIGH,
+        importance_sampling_level="token",
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        use_vllm=False,
+        vllm_importance_sampling_correction=False,
+        max_completion_length=T,
+        aux_loss_enabled=False,
+        _entropy_bonus_enabled=False,
+        use_adaptive_entropy=False,
+        current_gradient_accumulation_steps=1,
+        model=SimpleNamespace(training=True),
+        accelerator=_Accelerator(),
         args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
-        _metrics={"train": defaultdict(list), "eval": defaultdict(list)})
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+    )
     for k, v in attrs.items():
         object.__setattr__(trainer, k, v)
-    object.__setattr__(trainer, "_get_per_token_logps_and_entropies",
-                       lambda *a, **kw: (logp, torch.zeros_like(logp), None))
-    inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
-              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
-              "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
-              "num_items_in_batch": mask.sum()}
+    object.__setattr__(
+        trainer, "_get_per_token_logps_and_entropies", lambda *a, **kw: (logp, torch.zeros_like(logp), None)
+    )
+    inputs = {
+        "prompt_ids": torch.zeros(B, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": mask.sum(),
+    }
     return trainer._compute_loss(None, inputs)
 
 

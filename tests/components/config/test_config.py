@@ -13,7 +13,9 @@ def test_default_config_file_loads():
 
 def test_overrides_are_typed_and_nested():
     assert parse_overrides(["algorithm.beta=0.1", "data.shuffle=false"]) == {
-        "algorithm": {"beta": 0.1}, "data": {"shuffle": False}}
+        "algorithm": {"beta": 0.1},
+        "data": {"shuffle": False},
+    }
     cfg = load_config("configs/arith_grpo.yaml", ["algorithm.beta=0.1", "engine.n=4"])
     assert cfg.algorithm.beta == 0.1 and cfg.engine.n == 4
 
@@ -29,7 +31,9 @@ def test_unknown_section():
 
 
 def test_wrong_type_names_key_and_help():
-    with pytest.raises(ConfigError, match=r"engine\.n: .*integer.*got 'many'.*completions sampled per prompt"):
+    with pytest.raises(
+        ConfigError, match=r"engine\.n: .*integer.*got 'many'.*completions sampled per prompt"
+    ):
         load_config(None, ["engine.n=many"])
 
 
@@ -83,8 +87,11 @@ def test_presets_fill_unset_knobs_and_keys_override_them():
 
     dapo = resolve(load_config(None, ["algorithm.name=dapo"]).algorithm)
     assert (dapo.clip_ratio_high, dapo.dynamic_sampling, dapo.overlong_buffer_frac) == (0.28, True, 0.2)
-    own = resolve(load_config(None, ["algorithm.name=dapo", "algorithm.dynamic_sampling=false",
-                                     "algorithm.clip_ratio_high=0.3"]).algorithm)
+    own = resolve(
+        load_config(
+            None, ["algorithm.name=dapo", "algorithm.dynamic_sampling=false", "algorithm.clip_ratio_high=0.3"]
+        ).algorithm
+    )
     assert (own.clip_ratio_high, own.dynamic_sampling) == (0.3, False)
     ppo = resolve(load_config(None, ["algorithm.name=ppo"]).algorithm)
     assert ppo.adv_estimator == "gae" and ppo.needs_critic and not ppo.needs_reference
@@ -98,19 +105,31 @@ def test_presets_fill_unset_knobs_and_keys_override_them():
     assert in_reward.needs_reference and not in_reward.use_kl_loss
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["algorithm.name=dapo", "engine.n=1"], r"engine\.n=1: dynamic sampling|engine\.n=1: grpo"),
-    (["algorithm.name=grpoo"], r"algorithm\.name=grpoo: unknown preset\. Valid names: .*dapo.*ppo"),
-    (["algorithm.kl_penalty=k9"], r"algorithm\.kl_penalty=k9: unknown KL estimator"),
-    (["algorithm.adv_estimator=gea"], r"algorithm\.adv_estimator=gea: unknown advantage estimator\. Valid names"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["algorithm.name=dapo", "engine.n=1"], r"engine\.n=1: dynamic sampling|engine\.n=1: grpo"),
+        (["algorithm.name=grpoo"], r"algorithm\.name=grpoo: unknown preset\. Valid names: .*dapo.*ppo"),
+        (["algorithm.kl_penalty=k9"], r"algorithm\.kl_penalty=k9: unknown KL estimator"),
+        (
+            ["algorithm.adv_estimator=gea"],
+            r"algorithm\.adv_estimator=gea: unknown advantage estimator\. Valid names",
+        ),
+    ],
+)
 def test_impossible_algorithm_combinations_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("configs/arith_grpo.yaml", overrides)
 
 
-@pytest.mark.parametrize("path", ["configs/gsm8k_grpo_qwen2_7b.yaml", "configs/gsm8k_grpo_qwen2_5_0_5b.yaml",
-                                  "configs/arith_tool_grpo.yaml"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "configs/gsm8k_grpo_qwen2_7b.yaml",
+        "configs/gsm8k_grpo_qwen2_5_0_5b.yaml",
+        "configs/arith_tool_grpo.yaml",
+    ],
+)
 def test_shipped_configs_are_valid(path):
     """The GPU recipes fail here only for the engine (no vLLM, no GPU); every other key is valid."""
     from components.rollout.completions import engine_problems

@@ -6,23 +6,44 @@ import pytest
 import torch
 
 from components.errors import ConfigError
-from components.models import build_char_tokenizer, build_tiny_model, load_model, load_tokenizer, save_pretrained
+from components.models import (
+    build_char_tokenizer,
+    build_tiny_model,
+    load_model,
+    load_tokenizer,
+    save_pretrained,
+)
 from components.models.loading import PROBES
 
-CORPUS = ["Q: 25+60=? A: #### 85", "two\nlines\n\n with  spaces ", "(3 * 4) - 7 / 2 = 8.5, isn't it?",
-          "#### 1,234$ <eos> <pad>", "café 中文 🙂 １＋２＝ \x00 \u200f", *PROBES]
+CORPUS = [
+    "Q: 25+60=? A: #### 85",
+    "two\nlines\n\n with  spaces ",
+    "(3 * 4) - 7 / 2 = 8.5, isn't it?",
+    "#### 1,234$ <eos> <pad>",
+    "café 中文 🙂 １＋２＝ \x00 \u200f",
+    *PROBES,
+]
 
 
 def tiny(tok, seed=0):
-    return build_tiny_model(tok, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
-                            max_positions=64, seed=seed)
+    return build_tiny_model(
+        tok, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_positions=64, seed=seed
+    )
 
 
 def reward_model(tok):
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=tok.pad_token_id,
+    )
     return Qwen2ForSequenceClassification(config)
 
 
@@ -61,8 +82,11 @@ def test_a_class_that_rebuilds_the_tokenizer_differently_fails_naming_the_direct
     save_pretrained(tiny(tok), tok, tmp_path / "m")
     config = tmp_path / "m" / "tokenizer_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "Qwen2Tokenizer"}))
-    with pytest.raises(ConfigError, match=rf"actor\.model\.path={tmp_path}/m: the tokenizer transformers loads "
-                                          r"\(Qwen2Tokenizer\) encodes .* differently from the saved tokenizer\.json"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"actor\.model\.path={tmp_path}/m: the tokenizer transformers loads "
+        r"\(Qwen2Tokenizer\) encodes .* differently from the saved tokenizer\.json",
+    ):
         load_tokenizer(tmp_path / "m")
 
 
@@ -74,16 +98,22 @@ def _qwen2_style_tokenizer():
 
     base = Qwen2Tokenizer()  # Qwen2's normalizer, pre-tokenizer and decoder
     raw = Tokenizer(models.BPE())
-    raw.normalizer, raw.pre_tokenizer = base.backend_tokenizer.normalizer, base.backend_tokenizer.pre_tokenizer
+    raw.normalizer, raw.pre_tokenizer = (
+        base.backend_tokenizer.normalizer,
+        base.backend_tokenizer.pre_tokenizer,
+    )
     raw.decoder = base.backend_tokenizer.decoder
     from tokenizers import pre_tokenizers
 
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     raw.train_from_iterator(CORPUS * 20 + ["Natalia sold clips to 48 of her friends in April."] * 20, trainer)
     vocab = raw.get_vocab()
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" "))
-              for m in json.loads(raw.to_str())["model"]["merges"]]
+    merges = [
+        tuple(m) if isinstance(m, list) else tuple(m.split(" "))
+        for m in json.loads(raw.to_str())["model"]["merges"]
+    ]
     return Qwen2Tokenizer(vocab=vocab, merges=merges)
 
 
@@ -105,6 +135,9 @@ def test_a_model_directory_without_weights_or_with_pickle_only_is_named(tmp_path
     with pytest.raises(ConfigError, match=r"actor\.model\.path=.*: config\.json is there but no weights"):
         load_model(tmp_path / "m")
     torch.save({"x": torch.zeros(1)}, tmp_path / "m" / "pytorch_model.bin")
-    with pytest.raises(ConfigError, match=r"weights are only in pickle format \(pytorch_model\.bin\).*"
-                                          r"safe_serialization=True"):
+    with pytest.raises(
+        ConfigError,
+        match=r"weights are only in pickle format \(pytorch_model\.bin\).*"
+        r"safe_serialization=True",
+    ):
         load_model(tmp_path / "m")

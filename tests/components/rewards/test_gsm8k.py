@@ -10,16 +10,19 @@ from components.rewards import gsm8k
 from components.rewards.registry import REWARDS, score_with_config
 
 
-@pytest.mark.parametrize("text,truth,expected", [
-    ("#### 42", "42", 1.0),
-    ("#### 42.", "42", 0.0),  # strict keeps the trailing dot: "42." != "42"
-    ("#### 1,234", "1234", 1.0),  # commas removed
-    ("#### -7", "-7", 1.0),  # negative numbers
-    ("#### 41", "42", 0.0),  # extracted but wrong -> format_score (0)
-    ("42", "42", 0.0),  # nothing extracted in strict mode
-    ("#### 3\n#### 42", "42", 1.0),  # the last match counts
-    ("#### 42" + "x" * 400, "42", 0.0),  # only the last 300 characters are read
-])
+@pytest.mark.parametrize(
+    "text,truth,expected",
+    [
+        ("#### 42", "42", 1.0),
+        ("#### 42.", "42", 0.0),  # strict keeps the trailing dot: "42." != "42"
+        ("#### 1,234", "1234", 1.0),  # commas removed
+        ("#### -7", "-7", 1.0),  # negative numbers
+        ("#### 41", "42", 0.0),  # extracted but wrong -> format_score (0)
+        ("42", "42", 0.0),  # nothing extracted in strict mode
+        ("#### 3\n#### 42", "42", 1.0),  # the last match counts
+        ("#### 42" + "x" * 400, "42", 0.0),  # only the last 300 characters are read
+    ],
+)
 def test_strict(text, truth, expected):
     assert gsm8k.score(text, truth) == expected
 
@@ -32,8 +35,8 @@ def test_format_score_and_flexible():
 
 def test_score_batch_counts_invalid_and_names_failing_sample():
     cfg = load_config(None)
-    REWARDS["test/nan"] = lambda rm: (lambda text, truth, extra: float("nan") if text == "bad" else 1.0)
-    REWARDS["test/raise"] = lambda rm: (lambda text, truth, extra: 1 / 0)
+    REWARDS["test/nan"] = lambda rm: lambda text, truth, extra: float("nan") if text == "bad" else 1.0
+    REWARDS["test/raise"] = lambda rm: lambda text, truth, extra: 1 / 0
     try:
         scores, valid, _ = score_with_config(["ok", "bad"], ["1", "1"], ["test/nan"] * 2, [{}, {}], cfg)
         assert scores == [1.0, 0.0] and valid == [True, False] and all(math.isfinite(s) for s in scores)

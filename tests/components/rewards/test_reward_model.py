@@ -10,8 +10,13 @@ from components.rewards.reward_model import RewardModelScorer, arith_preference_
 
 
 def rows(n: int) -> list[dict]:
-    return [{"prompt": [{"role": "user", "content": f"{a}+{a + 1}="}],
-             "reward_model": {"ground_truth": str(2 * a + 1)}} for a in range(n)]
+    return [
+        {
+            "prompt": [{"role": "user", "content": f"{a}+{a + 1}="}],
+            "reward_model": {"ground_truth": str(2 * a + 1)},
+        }
+        for a in range(n)
+    ]
 
 
 def test_pairs_put_the_right_answer_first(tiny_model_dir):
@@ -23,7 +28,9 @@ def test_pairs_put_the_right_answer_first(tiny_model_dir):
 
 def test_training_separates_chosen_from_rejected(tiny_model_dir, tmp_path):
     pairs = arith_preference_pairs(rows(40), load_tokenizer(tiny_model_dir), seed=0, per_row=1)
-    out = train_reward_model(str(tiny_model_dir), pairs, tmp_path / "rm", steps=40, batch_size=32, lr=3e-3, seed=0)
+    out = train_reward_model(
+        str(tiny_model_dir), pairs, tmp_path / "rm", steps=40, batch_size=32, lr=3e-3, seed=0
+    )
     assert out["pair_accuracy"] > 0.75 and out["loss"] < 0.6
     scorer = RewardModelScorer(str(tmp_path / "rm"), batch_size=7)  # several batches, ragged last one
     prompts = [p for p, _, _ in pairs]

@@ -18,8 +18,10 @@ import pytest
 from components.rewards import code_exec
 from components.rewards.sandbox import SLOT_UID_BASE, UID_RANGE, Sandbox, SandboxLimits, SandboxUnavailable
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                reason="bubblewrap is not installed (`apt-get install -y bubblewrap`; .ci/run does)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("bwrap") is None,
+    reason="bubblewrap is not installed (`apt-get install -y bubblewrap`; .ci/run does)",
+)
 
 LIMITS = SandboxLimits(timeout_s=6.0, cpu_s=2, memory_mb=256, max_processes=8, max_output_bytes=64 << 10)
 CANARY = "canary-7f3a9c1e"
@@ -46,7 +48,9 @@ def sandbox_processes() -> list[psutil.Process]:
 def nothing_left_behind():
     before = len(psutil.pids())
     yield
-    deadline = time.monotonic() + 5  # an exited sandbox's zombie is reaped by init, not by us: give it a moment
+    deadline = (
+        time.monotonic() + 5
+    )  # an exited sandbox's zombie is reaped by init, not by us: give it a moment
     while sandbox_processes() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sandbox_processes() == []
@@ -78,8 +82,10 @@ def test_memory_bomb_is_contained():
 
 
 def test_infinite_loop_ignoring_sigalrm_and_sigxcpu_is_killed():
-    code = ("import signal\nfor s in (signal.SIGALRM, signal.SIGXCPU, signal.SIGTERM):\n"
-            "    signal.signal(s, signal.SIG_IGN)\nsignal.alarm(1)\nwhile True:\n    pass")
+    code = (
+        "import signal\nfor s in (signal.SIGALRM, signal.SIGXCPU, signal.SIGTERM):\n"
+        "    signal.signal(s, signal.SIG_IGN)\nsignal.alarm(1)\nwhile True:\n    pass"
+    )
     out, seconds = score(code)
     assert out["score"] == 0.0 and out["status/timeout"] == 1.0 and seconds < LIMITS.timeout_s + 3
 
@@ -88,10 +94,12 @@ def test_parent_environment_and_files_outside_are_invisible(sandbox, tmp_path, m
     monkeypatch.setenv("REINFORGE_SECRET", CANARY)
     secret = tmp_path / "secret.txt"
     secret.write_text(CANARY)
-    code = (f"import os, glob\nprint(dict(os.environ))\n"
-            f"for p in ['/proc/1/environ', '/proc/self/environ', {str(secret)!r}, '/root/.bash_history']:\n"
-            f"    try:\n        print(open(p, 'rb').read())\n    except OSError as e:\n        print('denied', p, e)\n"
-            f"print(glob.glob('{tmp_path}/*'), os.listdir('/'))")
+    code = (
+        f"import os, glob\nprint(dict(os.environ))\n"
+        f"for p in ['/proc/1/environ', '/proc/self/environ', {str(secret)!r}, '/root/.bash_history']:\n"
+        f"    try:\n        print(open(p, 'rb').read())\n    except OSError as e:\n        print('denied', p, e)\n"
+        f"print(glob.glob('{tmp_path}/*'), os.listdir('/'))"
+    )
     result = sandbox.run(code)
     assert result.status == "ok", result.stderr
     assert "denied" in result.stdout and CANARY not in result.stdout + result.stderr
@@ -99,10 +107,12 @@ def test_parent_environment_and_files_outside_are_invisible(sandbox, tmp_path, m
 
 def test_writes_outside_the_private_tmp_fail(sandbox, tmp_path):
     targets = [tmp_path / "escaped.txt", "/usr/escaped.txt", os.path.join(os.getcwd(), "escaped.txt")]
-    code = ("ok = []\n"
-            f"for p in {[str(t) for t in targets]!r}:\n"
-            "    try:\n        open(p, 'w').write('x')\n        ok.append(p)\n    except OSError:\n        pass\n"
-            "open('/tmp/inside.txt', 'w').write('fine')\nprint('wrote', ok)")
+    code = (
+        "ok = []\n"
+        f"for p in {[str(t) for t in targets]!r}:\n"
+        "    try:\n        open(p, 'w').write('x')\n        ok.append(p)\n    except OSError:\n        pass\n"
+        "open('/tmp/inside.txt', 'w').write('fine')\nprint('wrote', ok)"
+    )
     result = sandbox.run(code)
     assert result.status == "ok", result.stderr
     assert all(not os.path.exists(t) for t in targets)
@@ -123,9 +133,11 @@ def test_no_network_even_to_a_loopback_listener(sandbox):
         except OSError:
             pass
 
-    code = (f"import socket\ns = socket.socket()\ns.settimeout(2)\n"
-            f"try:\n    s.connect(('127.0.0.1', {port}))\n    print('connected')\nexcept OSError as e:\n"
-            f"    print('refused', e)")
+    code = (
+        f"import socket\ns = socket.socket()\ns.settimeout(2)\n"
+        f"try:\n    s.connect(('127.0.0.1', {port}))\n    print('connected')\nexcept OSError as e:\n"
+        f"    print('refused', e)"
+    )
     result = sandbox.run(code)
     thread = threading.Thread(target=accept)
     thread.start()
@@ -157,7 +169,7 @@ def test_concurrent_runs_are_limited_to_the_slots():
     overlapping = max(sum(a <= start < b for a, b in spans) for start, _ in spans)
     assert overlapping <= 2  # never more than the two slots at once
     if os.getuid() == 0:  # runs at the same time never share a uid
-        for i, (a, b) in enumerate(spans):
+        for a, b in spans:
             same_time = [r for r, (c, d) in zip(results, spans) if c < b and a < d]
             assert len({r.stdout.split()[0] for r in same_time}) == len(same_time)
 
@@ -165,8 +177,10 @@ def test_concurrent_runs_are_limited_to_the_slots():
 def test_cpu_is_limited_for_the_whole_process_tree():
     """8 forked children each burning CPU: RLIMIT_CPU alone allowed each its own 2 s (16 s in all); the tree
     is stopped at the sandbox's 2 s."""
-    code = ("import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        while True:\n            pass\n"
-            "time.sleep(30)")
+    code = (
+        "import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        while True:\n            pass\n"
+        "time.sleep(30)"
+    )
     from dataclasses import replace
 
     result = Sandbox(replace(LIMITS, max_processes=16)).run(code)
@@ -178,14 +192,18 @@ def _sandbox_in_another_process(seconds: float) -> str:
     import subprocess
     import sys
 
-    code = ("from components.rewards.sandbox import Sandbox, SandboxLimits\n"
-            f"r = Sandbox(SandboxLimits(timeout_s=20, max_processes=8)).run({_THREADS!r} % {seconds})\n"
-            "print(r.status, r.stdout.strip(), r.stderr.strip()[-200:])")
+    code = (
+        "from components.rewards.sandbox import Sandbox, SandboxLimits\n"
+        f"r = Sandbox(SandboxLimits(timeout_s=20, max_processes=8)).run({_THREADS!r} % {seconds})\n"
+        "print(r.status, r.stdout.strip(), r.stderr.strip()[-200:])"
+    )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
 
 
-_THREADS = ("import os, threading, time\nts = [threading.Thread(target=time.sleep, args=(%s,)) for _ in range(6)]\n"
-            "[t.start() for t in ts]\nprint(os.getuid(), 'threads-ok')\n[t.join() for t in ts]")
+_THREADS = (
+    "import os, threading, time\nts = [threading.Thread(target=time.sleep, args=(%s,)) for _ in range(6)]\n"
+    "[t.start() for t in ts]\nprint(os.getuid(), 'threads-ok')\n[t.join() for t in ts]"
+)
 
 
 def test_two_sandboxes_in_two_processes_do_not_interfere():
@@ -201,18 +219,21 @@ def test_two_sandboxes_in_two_processes_do_not_interfere():
 
 
 def test_only_the_standard_library_imports_unless_allowed(sandbox):
-    code = ("import json, sqlite3\nfor name in ('numpy', 'requests', 'werkzeug'):\n    try:\n"
-            "        __import__(name)\n        print('imported', name)\n    except ImportError:\n"
-            "        print('refused', name)\nimport sys\nsys.path.append(%r)\n"
-            "try:\n    import numpy\n    print('imported numpy from site-packages')\nexcept ImportError:\n"
-            "    print('site-packages is empty here')")
+    code = (
+        "import json, sqlite3\nfor name in ('numpy', 'requests', 'werkzeug'):\n    try:\n"
+        "        __import__(name)\n        print('imported', name)\n    except ImportError:\n"
+        "        print('refused', name)\nimport sys\nsys.path.append(%r)\n"
+        "try:\n    import numpy\n    print('imported numpy from site-packages')\nexcept ImportError:\n"
+        "    print('site-packages is empty here')"
+    )
     import site
 
     result = sandbox.run(code % site.getsitepackages()[0])
     assert result.status == "ok", result.stderr
     assert "imported" not in result.stdout and result.stdout.count("refused") == 3
     allowed = Sandbox(SandboxLimits(timeout_s=20, allowed_packages=("numpy",))).run(
-        "import numpy\nprint(int(numpy.arange(4).sum()))")
+        "import numpy\nprint(int(numpy.arange(4).sum()))"
+    )
     assert allowed.status == "ok" and allowed.stdout.strip() == "6", allowed.stderr[-500:]
 
 
@@ -234,20 +255,29 @@ HACKS = {
     # the harness used to exec the tests in the solution's interpreter: a no-op exec made every test "pass"
     "patched builtins.exec": ("import builtins\nbuiltins.exec = lambda *a, **k: None", "ok"),
     # ... and printed a result marker the solution could read from the harness's own frame and print first
-    "printed the harness's marker": ("import sys\nf = sys._getframe(1)\n"
-                                     "print([c for c in f.f_code.co_consts if isinstance(c, str)])\n"
-                                     "print('__result__[true, true, true]')", "ok"),
-    "an object equal to everything": ("class Yes:\n    def __eq__(self, other):\n        return True\n"
-                                      "def add(a, b):\n    return Yes()", "ok"),
+    "printed the harness's marker": (
+        "import sys\nf = sys._getframe(1)\n"
+        "print([c for c in f.f_code.co_consts if isinstance(c, str)])\n"
+        "print('__result__[true, true, true]')",
+        "ok",
+    ),
+    "an object equal to everything": (
+        "class Yes:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Yes()",
+        "ok",
+    ),
     "exited before the tests": ("import os\nos._exit(0)", "exited"),
     "exited during a test": ("import os\ndef add(a, b):\n    os._exit(0)", "exited"),
-    "forged answers on every descriptor": ("import os\nfor fd in range(3, 64):\n    try:\n"
-                                           "        os.write(fd, b'{\"id\": \"0\", \"value\": \"3\"}\\n')\n"
-                                           "    except OSError:\n        pass\ndef add(a, b):\n    return 0",
-                                           "tampered"),
-    "searched memory for the expected values": ("import gc\ndef add(a, b):\n    found = [o for o in gc.get_objects()"
-                                                " if isinstance(o, str) and 'assert' in o]\n    return len(found)",
-                                                "ok"),
+    "forged answers on every descriptor": (
+        "import os\nfor fd in range(3, 64):\n    try:\n"
+        '        os.write(fd, b\'{"id": "0", "value": "3"}\\n\')\n'
+        "    except OSError:\n        pass\ndef add(a, b):\n    return 0",
+        "tampered",
+    ),
+    "searched memory for the expected values": (
+        "import gc\ndef add(a, b):\n    found = [o for o in gc.get_objects()"
+        " if isinstance(o, str) and 'assert' in o]\n    return len(found)",
+        "ok",
+    ),
     "killed its own interpreter": ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", "timeout"),
 }
 
@@ -260,8 +290,10 @@ def test_reward_hacks_score_zero_with_a_named_status(hack):
 
 
 def test_an_honest_solution_still_scores_one():
-    out, _ = score("def add(a, b):\n    return a + b", ADD_TESTS + ["assert sorted([add(1, 1), 0]) == [0, 2]",
-                                                                  "assert math.isclose(add(0.1, 0.2), 0.3)"])
+    out, _ = score(
+        "def add(a, b):\n    return a + b",
+        ADD_TESTS + ["assert sorted([add(1, 1), 0]) == [0, 2]", "assert math.isclose(add(0.1, 0.2), 0.3)"],
+    )
     assert out["score"] == 1.0 and out["status/ok"] == 1.0
 
 

@@ -13,19 +13,22 @@ from components.rewards import countdown, math_eq
 from components.rewards.registry import score_with_config, scorer_for, scorers_for
 
 
-@pytest.mark.parametrize("text,truth,expected", [
-    ("so \\boxed{\\dfrac{1}{2}}", "0.5", 1.0),  # dfrac vs decimal
-    ("\\boxed{\\frac{1}{2}}", "\\frac12", 1.0),
-    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
-    ("first \\boxed{3} then \\boxed{4}", "4", 1.0),  # the last box counts
-    ("\\boxed{-7}", "-7", 1.0),
-    ("\\boxed{1,000}", "1000", 1.0),  # thousands separator
-    ("\\boxed{\\sqrt{4}}", "2", 1.0),
-    ("\\boxed{x^2 + 2x + 1}", "(x+1)^2", 1.0),  # symbolic equivalence
-    ("\\boxed{0.51}", "0.5", 0.0),
-    ("the answer is 0.5", "0.5", 0.0),  # no box, no reward
-    ("\\boxed{\\frac{1}{2}", "0.5", 0.0),  # cut off before the box closed
-])
+@pytest.mark.parametrize(
+    "text,truth,expected",
+    [
+        ("so \\boxed{\\dfrac{1}{2}}", "0.5", 1.0),  # dfrac vs decimal
+        ("\\boxed{\\frac{1}{2}}", "\\frac12", 1.0),
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("first \\boxed{3} then \\boxed{4}", "4", 1.0),  # the last box counts
+        ("\\boxed{-7}", "-7", 1.0),
+        ("\\boxed{1,000}", "1000", 1.0),  # thousands separator
+        ("\\boxed{\\sqrt{4}}", "2", 1.0),
+        ("\\boxed{x^2 + 2x + 1}", "(x+1)^2", 1.0),  # symbolic equivalence
+        ("\\boxed{0.51}", "0.5", 0.0),
+        ("the answer is 0.5", "0.5", 0.0),  # no box, no reward
+        ("\\boxed{\\frac{1}{2}", "0.5", 0.0),  # cut off before the box closed
+    ],
+)
 def test_math(text, truth, expected):
     assert math_eq.score(text, truth) == expected
 
@@ -33,18 +36,21 @@ def test_math(text, truth, expected):
 COUNTDOWN = json.dumps({"target": 24, "numbers": [3, 8, 1, 1]})
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("<answer>3 * 8 * 1 * 1</answer>", 1.0),
-    ("<answer>(8 - 1 - 1) * 3 + 6 - 6</answer>", 0.1),  # 6 is not given
-    ("<answer>3 * 8 * 1</answer>", 0.1),  # a 1 is missing
-    ("<answer>3 * 8 * 1 * 1 * 1</answer>", 0.1),  # 1 reused
-    ("<answer>3 * 8 + 1 - 1</answer>", 1.0),
-    ("<answer>8 / (1 - 1) + 3</answer>", 0.1),  # division by zero
-    ("<answer>__import__('os').system('id')</answer>", 0.1),  # never evaluated
-    ("<answer>3 ** 8</answer>", 0.1),  # no powers
-    ("think... 3*8*1*1 = 24", 1.0),  # no tags: the last line with '='
-    ("no equation", 0.0),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("<answer>3 * 8 * 1 * 1</answer>", 1.0),
+        ("<answer>(8 - 1 - 1) * 3 + 6 - 6</answer>", 0.1),  # 6 is not given
+        ("<answer>3 * 8 * 1</answer>", 0.1),  # a 1 is missing
+        ("<answer>3 * 8 * 1 * 1 * 1</answer>", 0.1),  # 1 reused
+        ("<answer>3 * 8 + 1 - 1</answer>", 1.0),
+        ("<answer>8 / (1 - 1) + 3</answer>", 0.1),  # division by zero
+        ("<answer>__import__('os').system('id')</answer>", 0.1),  # never evaluated
+        ("<answer>3 ** 8</answer>", 0.1),  # no powers
+        ("think... 3*8*1*1 = 24", 1.0),  # no tags: the last line with '='
+        ("no equation", 0.0),
+    ],
+)
 def test_countdown(text, expected):
     assert countdown.score(text, COUNTDOWN) == expected
 
@@ -56,7 +62,7 @@ def test_countdown_exact_fractions():
 
 
 def test_sources_override_and_default(tmp_path):
-    cfg = load_config(None, ["reward_model.sources={\"arith\": \"math\"}", "reward_model.default_scorer=gsm8k"])
+    cfg = load_config(None, ['reward_model.sources={"arith": "math"}', "reward_model.default_scorer=gsm8k"])
     assert scorer_for("arith", cfg)("\\boxed{5}", "5", {}) == 1.0  # math, not gsm8k
     assert scorer_for("somewhere/else", cfg)("#### 5", "5", {}) == 1.0  # the default
     with pytest.raises(KeyError, match="reward_model.sources"):
@@ -68,9 +74,11 @@ def test_sources_override_and_default(tmp_path):
 def test_sub_scores_are_returned_per_row():
     from components.rewards.registry import REWARDS
 
-    REWARDS["test/subs"] = lambda cfg: (lambda text, truth, extra: {"score": 1.0, "length": float(len(text))})
+    REWARDS["test/subs"] = lambda cfg: lambda text, truth, extra: {"score": 1.0, "length": float(len(text))}
     try:
-        scores, valid, subs = score_with_config(["ab", "abc"], ["", ""], ["test/subs"] * 2, [{}, {}], load_config(None))
+        scores, valid, subs = score_with_config(
+            ["ab", "abc"], ["", ""], ["test/subs"] * 2, [{}, {}], load_config(None)
+        )
     finally:
         del REWARDS["test/subs"]
     assert scores == [1.0, 1.0] and valid == [True, True] and subs == {"length": [2.0, 3.0]}
@@ -84,17 +92,22 @@ def write(path, text):
 
 def test_custom_reward_function_loaded_by_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    write(tmp_path / "rewards/mine.py", """\
+    write(
+        tmp_path / "rewards/mine.py",
+        """\
         def compute_score(response_text, ground_truth, extra_info):
             return {"score": float(ground_truth in response_text), "length": len(response_text)}
 
         def broken(response_text, ground_truth, extra_info):
             return 1 / 0
-        """)
+        """,
+    )
     cfg = load_config(None, ["custom_reward_function.path=rewards/mine.py"])
     scores, _, subs = score_with_config(["x 42", "x"], ["42", "42"], ["anything", "arith"], [{}, {}], cfg)
     assert scores == [1.0, 0.0] and subs == {"length": [4.0, 1.0]}
-    broken = load_config(None, ["custom_reward_function.path=rewards/mine.py", "custom_reward_function.name=broken"])
+    broken = load_config(
+        None, ["custom_reward_function.path=rewards/mine.py", "custom_reward_function.name=broken"]
+    )
     with pytest.raises(RewardError, match=r"mine.py:5: ZeroDivisionError"):
         score_with_config(["x"], ["1"], ["arith"], [{}], broken)
 
@@ -104,14 +117,20 @@ def test_custom_reward_function_errors_name_file_and_line(tmp_path, monkeypatch)
     write(tmp_path / "bad_syntax.py", "def f(:\n    pass\n")
     write(tmp_path / "bad_import.py", "x = 1\nimport not_a_module_anywhere\n")
     write(tmp_path / "ok.py", "def other(a, b, c):\n    return 0.0\n")
-    outside = write(tmp_path.parent / f"{tmp_path.name}_outside.py", "def compute_score(a, b, c):\n    return 1\n")
-    cases = [("bad_syntax.py", "compute_score", r"bad_syntax.py:1: SyntaxError"),
-             ("bad_import.py", "compute_score", r"bad_import.py:2: ModuleNotFoundError"),
-             ("ok.py", "compute_score", r"custom_reward_function.name=compute_score.*it has: other"),
-             ("missing.py", "compute_score", r"custom_reward_function.path=missing.py: no Python file"),
-             (str(outside), "compute_score", r"outside the project")]
+    outside = write(
+        tmp_path.parent / f"{tmp_path.name}_outside.py", "def compute_score(a, b, c):\n    return 1\n"
+    )
+    cases = [
+        ("bad_syntax.py", "compute_score", r"bad_syntax.py:1: SyntaxError"),
+        ("bad_import.py", "compute_score", r"bad_import.py:2: ModuleNotFoundError"),
+        ("ok.py", "compute_score", r"custom_reward_function.name=compute_score.*it has: other"),
+        ("missing.py", "compute_score", r"custom_reward_function.path=missing.py: no Python file"),
+        (str(outside), "compute_score", r"outside the project"),
+    ]
     for path, name, match in cases:
-        cfg = load_config(None, [f"custom_reward_function.path={path}", f"custom_reward_function.name={name}"])
+        cfg = load_config(
+            None, [f"custom_reward_function.path={path}", f"custom_reward_function.name={name}"]
+        )
         with pytest.raises(ConfigError, match=match):
             scorer_for("arith", cfg)
 
@@ -123,5 +142,7 @@ def test_custom_reward_function_scores_in_a_ray_worker(tmp_path, monkeypatch, ra
     monkeypatch.chdir(tmp_path)
     write(tmp_path / "mine.py", "def compute_score(text, truth, extra):\n    return float(text == truth)\n")
     cfg = load_config(None, ["custom_reward_function.path=mine.py"])
-    scores, valid, _ = score_in_worker(["1", "2"], ["1", "1"], ["arith"] * 2, [{}, {}], scorers_for(["arith"], cfg))
+    scores, valid, _ = score_in_worker(
+        ["1", "2"], ["1", "1"], ["arith"] * 2, [{}, {}], scorers_for(["arith"], cfg)
+    )
     assert scores == [1.0, 0.0] and valid == [True, True]

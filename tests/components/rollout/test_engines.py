@@ -65,14 +65,35 @@ def test_colocating_a_gpu_engine_is_refused():
 def test_sampling_parameters_map_to_each_package():
     p = SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=32, stop_token_ids=(7,))
     assert vllm_engine.sampling_kwargs(p, 11) == {
-        "n": 4, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_tokens": 32, "seed": 11, "logprobs": 0,
-        "stop_token_ids": [7], "skip_special_tokens": False, "detokenize": False}
+        "n": 4,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "max_tokens": 32,
+        "seed": 11,
+        "logprobs": 0,
+        "stop_token_ids": [7],
+        "skip_special_tokens": False,
+        "detokenize": False,
+    }
     assert sglang_engine.sampling_params(p) == {
-        "temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_new_tokens": 32, "stop_token_ids": [7],
-        "skip_special_tokens": False}
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "max_new_tokens": 32,
+        "stop_token_ids": [7],
+        "skip_special_tokens": False,
+    }
     assert trtllm_engine.sampling_kwargs(p, 11) == {
-        "n": 4, "temperature": 0.7, "top_p": 0.9, "top_k": None, "max_tokens": 32, "seed": 11, "logprobs": 0,
-        "stop_token_ids": [7]}
+        "n": 4,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": None,
+        "max_tokens": 32,
+        "seed": 11,
+        "logprobs": 0,
+        "stop_token_ids": [7],
+    }
     assert vllm_engine.sampling_kwargs(SamplingParams(top_k=5), 0)["top_k"] == 5
 
 
@@ -94,35 +115,58 @@ EXPECTED_MASK = [[1, 1, 1], [1, 1, 1], [1, 1, 0]]
 
 def _check(out, version=7):
     assert out.responses.tolist() == EXPECTED_IDS and out.response_mask.tolist() == EXPECTED_MASK
-    torch.testing.assert_close(out.logprobs, torch.tensor([[-.1, -.2, -.3], [-.4, -.5, -.6], [-.7, -.8, 0.]]))
+    torch.testing.assert_close(
+        out.logprobs, torch.tensor([[-0.1, -0.2, -0.3], [-0.4, -0.5, -0.6], [-0.7, -0.8, 0.0]])
+    )
     assert out.weights_version == version
 
 
 def test_vllm_outputs_become_a_rollout_output():
     lp = lambda ids, vals: [{t: SimpleNamespace(logprob=v, rank=1)} for t, v in zip(ids, vals)]  # noqa: E731
-    outs = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=(5, 6, EOS), logprobs=lp((5, 6, EOS), (-.1, -.2, -.3))),
-                                     SimpleNamespace(token_ids=(7, 8, 9, 3), logprobs=lp((7, 8, 9, 3), (-.4, -.5, -.6, -1)))]),
-            SimpleNamespace(outputs=[SimpleNamespace(token_ids=(4, EOS), logprobs=lp((4, EOS), (-.7, -.8)))])]
-    _check(to_rollout_output(vllm_engine.completions(outs), {EOS}, PAD, 3, 7))  # the 4th token: past max_new_tokens
+    outs = [
+        SimpleNamespace(
+            outputs=[
+                SimpleNamespace(token_ids=(5, 6, EOS), logprobs=lp((5, 6, EOS), (-0.1, -0.2, -0.3))),
+                SimpleNamespace(token_ids=(7, 8, 9, 3), logprobs=lp((7, 8, 9, 3), (-0.4, -0.5, -0.6, -1))),
+            ]
+        ),
+        SimpleNamespace(outputs=[SimpleNamespace(token_ids=(4, EOS), logprobs=lp((4, EOS), (-0.7, -0.8)))]),
+    ]
+    _check(
+        to_rollout_output(vllm_engine.completions(outs), {EOS}, PAD, 3, 7)
+    )  # the 4th token: past max_new_tokens
 
 
 def test_sglang_outputs_become_a_rollout_output():
-    res = lambda ids, vals: {"output_ids": list(ids), "meta_info": {  # noqa: E731
-        "output_token_logprobs": [(v, t, None) for t, v in zip(ids, vals)], "finish_reason": {"type": "stop"}}}
-    outs = [res((5, 6, EOS), (-.1, -.2, -.3)), res((7, 8, 9), (-.4, -.5, -.6)), res((4, EOS, 11), (-.7, -.8, -.9))]
+    def res(ids, vals):
+        return {
+            "output_ids": list(ids),
+            "meta_info": {
+                "output_token_logprobs": [(v, t, None) for t, v in zip(ids, vals)],
+                "finish_reason": {"type": "stop"},
+            },
+        }
+
+    outs = [
+        res((5, 6, EOS), (-0.1, -0.2, -0.3)),
+        res((7, 8, 9), (-0.4, -0.5, -0.6)),
+        res((4, EOS, 11), (-0.7, -0.8, -0.9)),
+    ]
     _check(to_rollout_output(sglang_engine.completions(outs), {EOS}, PAD, 8, 7))  # tokens after EOS dropped
 
 
 def test_trtllm_outputs_become_a_rollout_output():
     c = lambda ids, vals: SimpleNamespace(token_ids=list(ids), logprobs=list(vals))  # noqa: E731
-    outs = [SimpleNamespace(outputs=[c((5, 6, EOS), (-.1, -.2, -.3)), c((7, 8, 9), (-.4, -.5, -.6))]),
-            SimpleNamespace(outputs=[c((4, EOS), (-.7, -.8))])]
+    outs = [
+        SimpleNamespace(outputs=[c((5, 6, EOS), (-0.1, -0.2, -0.3)), c((7, 8, 9), (-0.4, -0.5, -0.6))]),
+        SimpleNamespace(outputs=[c((4, EOS), (-0.7, -0.8))]),
+    ]
     _check(to_rollout_output(trtllm_engine.completions(outs), {EOS}, PAD, 8, 7))
 
 
 def test_mismatched_logprobs_are_an_error():
     with pytest.raises(ValueError, match="2 tokens but 1 log-probs"):
-        to_rollout_output([([5, 6], [-.1])], {EOS}, PAD, 8, 0)
+        to_rollout_output([([5, 6], [-0.1])], {EOS}, PAD, 8, 0)
 
 
 def test_engine_weights_only_move_forward(tiny_model_dir, tokenizer):
@@ -146,8 +190,15 @@ def test_split_by_load_covers_every_row_once():
 
 # --- the pool: real hf engines in Ray actors ---
 
-ROWS = [{"prompt": [{"role": "user", "content": f"{a}+{a}="}], "reward_model": {"ground_truth": str(2 * a)},
-         "data_source": "arith", "extra_info": {}} for a in range(12)]
+ROWS = [
+    {
+        "prompt": [{"role": "user", "content": f"{a}+{a}="}],
+        "reward_model": {"ground_truth": str(2 * a)},
+        "data_source": "arith",
+        "extra_info": {},
+    }
+    for a in range(12)
+]
 
 
 @pytest.fixture
@@ -165,11 +216,16 @@ def pool(tiny_model_dir, ray_local):
 
     def start():
         return ray.remote(num_cpus=0, max_restarts=2)(Slow).remote(
-            str(tiny_model_dir), "hf", EngineOptions(dtype="float32"), 1)
+            str(tiny_model_dir), "hf", EngineOptions(dtype="float32"), 1
+        )
 
     synced = []
-    p = EnginePool([start(), start()], start, lambda actor: synced.append(ray.get(actor.pid.remote())),
-                   health_timeout_s=30)
+    p = EnginePool(
+        [start(), start()],
+        start,
+        lambda actor: synced.append(ray.get(actor.pid.remote())),
+        health_timeout_s=30,
+    )
     yield p, synced
     for actor in p.actors:
         ray.kill(actor, no_restart=True)
@@ -218,17 +274,25 @@ def vllm_ready():
 def test_vllm_engine_for_real_where_it_runs(vllm_ready, tmp_path, tokenizer):
     """The real vLLM behind our adapter: its log-probs are the policy's own (fp32 forward of the same tokens),
     a seed repeats its samples, and after update_weights both samples and log-probs follow the new weights."""
-    from components.models import build_tiny_model, save_pretrained
     from components.data.prompts import PromptSettings, encode_prompts
+    from components.models import build_tiny_model, save_pretrained
     from components.rollout.completions import EngineOptions
     from components.training.logprobs import engine_logprob_gaps
 
-    policy = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
-                              max_positions=256, seed=0)
+    policy = build_tiny_model(
+        tokenizer, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_positions=256, seed=0
+    )
     path = save_pretrained(policy, tokenizer, tmp_path / "tiny")
-    ids = encode_prompts(tokenizer, [[{"role": "user", "content": f"{a}+{a}="}] for a in range(6)], PromptSettings())
-    engine = make_engine("vllm", str(path), tokenizer.eos_token_id, tokenizer.pad_token_id,
-                         EngineOptions(dtype="float32", max_model_len=4096, enforce_eager=True))
+    ids = encode_prompts(
+        tokenizer, [[{"role": "user", "content": f"{a}+{a}="}] for a in range(6)], PromptSettings()
+    )
+    engine = make_engine(
+        "vllm",
+        str(path),
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        EngineOptions(dtype="float32", max_model_len=4096, enforce_eager=True),
+    )
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
 
     def gap(out) -> float:

@@ -40,8 +40,14 @@ def test_logprobs_match_a_fresh_forward_pass(engine):
     out = engine.generate(PROMPTS, p, 3)
     prompts, pmask = left_pad(PROMPTS, engine.pad_id)
     with torch.no_grad():
-        lp, _ = response_logprobs(engine.model, prompts.repeat_interleave(2, 0), pmask.repeat_interleave(2, 0),
-                                  out.responses, out.response_mask, temperature=0.8)
+        lp, _ = response_logprobs(
+            engine.model,
+            prompts.repeat_interleave(2, 0),
+            pmask.repeat_interleave(2, 0),
+            out.responses,
+            out.response_mask,
+            temperature=0.8,
+        )
     torch.testing.assert_close(lp * out.response_mask, out.logprobs, atol=1e-5, rtol=0)
 
 
@@ -75,5 +81,7 @@ def test_top_k_and_top_p_filters():
 
 
 def test_unknown_engine_type_is_a_config_error():
-    with pytest.raises(ConfigError, match="engine.type=mystery: unknown; available: hf, sglang, trtllm, vllm"):
+    with pytest.raises(
+        ConfigError, match="engine.type=mystery: unknown; available: hf, sglang, trtllm, vllm"
+    ):
         make_engine("mystery", "unused", eos_id=1, pad_id=0)

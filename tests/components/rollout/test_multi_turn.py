@@ -26,7 +26,7 @@ def test_parse_tool_call():
     assert call == '<tool_call>{"name":"calculator","arguments":{"expression":"12*34"}}</tool_call>'
     assert parse_tool_call("think " + call) == ("calculator", {"expression": "12*34"})
     assert parse_tool_call("#### 408") is None
-    assert parse_tool_call("<tool_call>{\"name\": \"calculator\"") is None  # never closed: not a call
+    assert parse_tool_call('<tool_call>{"name": "calculator"') is None  # never closed: not a call
     with pytest.raises(ToolError, match="not JSON"):
         parse_tool_call("<tool_call>{name: calculator}</tool_call>")
     with pytest.raises(ToolError, match="a tool call is"):
@@ -62,19 +62,34 @@ class ScriptedEngine:
         out = torch.zeros((len(rows), width), dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, r in enumerate(rows):
-            out[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+            out[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
         return RolloutOutput(out, mask, -0.5 * mask.float(), self.weights_version)
 
 
 def test_turn_loop_masks_tool_output_and_counts(tokenizer):
     call = tool_call_text("calculator", {"expression": "6*7"})
-    engine = ScriptedEngine(tokenizer, [
-        [call, "#### 5", '<tool_call>{"name":"nope","arguments":{}}</tool_call>', "<tool_call>{bad}</tool_call>"],
-        ["#### 42", "x", "y"],  # turn 2 only for the three rows that called (or tried to call) a tool
-    ])
+    engine = ScriptedEngine(
+        tokenizer,
+        [
+            [
+                call,
+                "#### 5",
+                '<tool_call>{"name":"nope","arguments":{}}</tool_call>',
+                "<tool_call>{bad}</tool_call>",
+            ],
+            ["#### 42", "x", "y"],  # turn 2 only for the three rows that called (or tried to call) a tool
+        ],
+    )
     prompts = [tokenizer("6*7=", add_special_tokens=False)["input_ids"]]
-    mt = multi_turn_generate(engine, tokenizer, prompts, SamplingParams(n=4, max_new_tokens=64), seed=0,
-                             tools={"calculator": Calculator()}, max_turns=2)
+    mt = multi_turn_generate(
+        engine,
+        tokenizer,
+        prompts,
+        SamplingParams(n=4, max_new_tokens=64),
+        seed=0,
+        tools={"calculator": Calculator()},
+        max_turns=2,
+    )
     out = mt.out
     assert mt.num_turns.tolist() == [2, 1, 2, 2] and mt.tool_calls.tolist() == [1, 0, 1, 0]
     assert mt.tool_errors.tolist() == [0, 0, 1, 1] and out.weights_version == 3
@@ -84,7 +99,9 @@ def test_turn_loop_masks_tool_output_and_counts(tokenizer):
     answer = tokenizer("#### 42", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert row == call_ids + tool + answer
     # trained on: the model's tokens only; log-probs sit on them and are 0 on the tool turn
-    assert out.response_mask[0, :len(row)].tolist() == [1] * len(call_ids) + [0] * len(tool) + [1] * len(answer)
+    assert out.response_mask[0, : len(row)].tolist() == [1] * len(call_ids) + [0] * len(tool) + [1] * len(
+        answer
+    )
     assert torch.equal(out.logprobs[0] == 0, out.response_mask[0] == 0)
     # turn 2 continued from prompt + turn 1 + the tool's output
     assert engine.seen[1][0] == prompts[0] + call_ids + tool
@@ -95,8 +112,9 @@ def test_turn_loop_masks_tool_output_and_counts(tokenizer):
 def test_a_call_in_the_last_turn_is_not_run(tokenizer):
     call = tool_call_text("calculator", {"expression": "1+1"})
     engine = ScriptedEngine(tokenizer, [[call]])
-    mt = multi_turn_generate(engine, tokenizer, [[5]], SamplingParams(n=1), seed=0,
-                             tools={"calculator": Calculator()}, max_turns=1)
+    mt = multi_turn_generate(
+        engine, tokenizer, [[5]], SamplingParams(n=1), seed=0, tools={"calculator": Calculator()}, max_turns=1
+    )
     assert mt.tool_calls.tolist() == [0] and torch.equal(mt.attention_mask, mt.out.response_mask)
 
 
@@ -111,8 +129,15 @@ def test_later_tokens_attend_to_the_tool_turn(tokenizer):
     attention = torch.ones(2, 9, dtype=torch.long)
     loss_mask = attention.clone()
     loss_mask[:, 3:6] = 0  # a tool turn in the middle
-    batch = Batch({"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
-                   "response_mask": loss_mask, "response_attention_mask": attention})
+    batch = Batch(
+        {
+            "prompts": prompts,
+            "prompt_mask": prompt_mask,
+            "responses": responses,
+            "response_mask": loss_mask,
+            "response_attention_mask": attention,
+        }
+    )
     full, _ = response_logprobs(model, prompts, prompt_mask, responses, attention)
     torch.testing.assert_close(batch_logprobs(model, batch, 1.0, None), full)
     without, _ = response_logprobs(model, prompts, prompt_mask, responses, loss_mask)
@@ -124,4 +149,7 @@ def test_sft_masks_tool_output(tokenizer):
     (ex,) = encode_examples(tokenizer, [[{"role": "user", "content": "2*3="}]], [answer])
     labels = collate([ex], tokenizer.pad_token_id)["labels"][0]
     targets = tokenizer.decode([t for t in labels.tolist() if t != -100])
-    assert targets == answer.replace("<tool_response>6</tool_response>", "") + "<eos>" and ex.answer_mask.count(0) == 3
+    assert (
+        targets == answer.replace("<tool_response>6</tool_response>", "") + "<eos>"
+        and ex.answer_mask.count(0) == 3
+    )

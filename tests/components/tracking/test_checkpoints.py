@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from components.errors import CheckpointError
+from components.errors import CheckpointError, ConfigError
 from components.models import save_pretrained
 from components.tracking import checkpoints
 from tests.conftest import make_model
@@ -19,7 +19,9 @@ def write(root, it, tokenizer, opt_state=None, keep=2):
         if opt_state is not None:
             checkpoints.save_optimizer(out, "optimizer", opt_state)
 
-    return checkpoints.save_checkpoint(root, it, files, {"sampler": {"epoch": 0, "cursor": it}}, keep=keep), model
+    return checkpoints.save_checkpoint(
+        root, it, files, {"sampler": {"epoch": 0, "cursor": it}}, keep=keep
+    ), model
 
 
 def test_save_verify_latest_and_prune(tmp_path, tokenizer):
@@ -89,6 +91,7 @@ def test_failed_save_leaves_previous_checkpoint(tmp_path, tokenizer):
 
 # ---- faults: a save killed halfway, corruption with fallback, a pickle payload ---------------------------------
 
+
 def test_save_killed_midway_keeps_previous_and_resume_cleans_up(tmp_path, tokenizer):
     import os
     import signal
@@ -135,7 +138,9 @@ def test_resume_falls_back_to_the_last_good_checkpoint(tmp_path, tokenizer, dama
 def test_no_good_checkpoint_stops_with_a_clear_error(tmp_path, tokenizer):
     path, _ = write(tmp_path, 1, tokenizer)
     (path / "state.json").write_text("{}")
-    with pytest.raises(CheckpointError, match="no checkpoint under .* verifies: .*state.json fails its sha256"):
+    with pytest.raises(
+        CheckpointError, match="no checkpoint under .* verifies: .*state.json fails its sha256"
+    ):
         checkpoints.find_resumable(tmp_path)
 
 
@@ -177,14 +182,15 @@ def test_pickle_payload_in_a_checkpoint_is_refused_and_never_runs(tmp_path, toke
     # the checksums match, but the manifest lists no weights and a pickle-format file: refused before loading
     with pytest.raises(CheckpointError, match="model/pytorch_model.bin is a pickle-format file"):
         checkpoints.verify(path)
-    with pytest.raises(Exception):
+    with pytest.raises(CheckpointError):
         checkpoints.load_state(path)
-    with pytest.raises(Exception):
+    with pytest.raises(ConfigError, match="weights are only in pickle format"):
         load_model(path / "model", safetensors_only=True)
     assert not marker.exists()
 
 
 # ---- tampering a careless or hostile user tried: each is refused, and resume falls back ------------------------
+
 
 def _rewrite_manifest(ckpt, change):
     manifest = json.loads((ckpt / "manifest.json").read_text())
@@ -224,8 +230,11 @@ def _state_missing(ckpt, tmp_path):
     return "state.json is missing"
 
 
-@pytest.mark.parametrize("tamper", [_symlink_in, _dotdot_entry, _weights_entry_removed, _truncated_manifest,
-                                    _state_missing], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "tamper",
+    [_symlink_in, _dotdot_entry, _weights_entry_removed, _truncated_manifest, _state_missing],
+    ids=lambda f: f.__name__.strip("_"),
+)
 def test_tampering_is_refused_and_resume_falls_back_to_the_last_good_checkpoint(tmp_path, tokenizer, tamper):
     root = tmp_path / "ckpts"
     good, _ = write(root, 1, tokenizer, keep=None)

@@ -22,8 +22,11 @@ def store(tmp_path, monkeypatch):
 
 
 def digests(directory) -> dict[str, str]:
-    return {p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def logged(tmp_path, seed: int) -> tuple[str, str]:
@@ -41,8 +44,15 @@ def greedy(path) -> list[str]:
     from components.rollout.worker import RolloutWorker
 
     worker = RolloutWorker(str(path))
-    rows = [{"prompt": f"{a}+{a}=", "reward_model": {"ground_truth": str(2 * a)}, "data_source": "arith",
-             "extra_info": {}} for a in range(6)]
+    rows = [
+        {
+            "prompt": f"{a}+{a}=",
+            "reward_model": {"ground_truth": str(2 * a)},
+            "data_source": "arith",
+            "extra_info": {},
+        }
+        for a in range(6)
+    ]
     return worker.decode(worker.generate(rows, SamplingParams(n=1, temperature=0.0, max_new_tokens=6), 0, -1))
 
 
@@ -71,7 +81,9 @@ def test_promotion_by_alias_on_the_same_evaluation_set(tmp_path, store):
 
     register_candidate("m", ids[0][1], ids[0][0], 0.6, "set-a", measure)
     lost = register_candidate("m", ids[1][1], ids[1][0], 0.58, "set-a", measure)
-    assert lost["alias"] == CHALLENGER and lost["champion_acc"] == 0.6 and not measured  # same set: its figure
+    assert (
+        lost["alias"] == CHALLENGER and lost["champion_acc"] == 0.6 and not measured
+    )  # same set: its figure
     won = register_candidate("m", ids[2][1], ids[2][0], 0.7, "set-a", measure)
     assert won["alias"] == CHAMPION and "beats the champion's 0.6000" in won["reason"]
     other_set = register_candidate("m", ids[3][1], ids[3][0], 0.6, "set-b", measure)

@@ -19,8 +19,15 @@ def synthetic_batch(tokenizer, n=8, seed=0) -> Batch:
     response_mask = torch.ones(n, 5, dtype=torch.long)
     response_mask[1::3, 3:] = 0
     adv = torch.randn(n, generator=g)[:, None] * response_mask
-    return Batch({"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
-                  "response_mask": response_mask, "advantages": adv})
+    return Batch(
+        {
+            "prompts": prompts,
+            "prompt_mask": prompt_mask,
+            "responses": responses,
+            "response_mask": response_mask,
+            "advantages": adv,
+        }
+    )
 
 
 def trained_params(tokenizer, micro, mini=None, epochs=1, beta=0.0, max_tokens=None):
@@ -29,9 +36,17 @@ def trained_params(tokenizer, micro, mini=None, epochs=1, beta=0.0, max_tokens=N
     ref = make_model(tokenizer) if beta else None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    s = UpdateSettings(LoopSettings(ppo_epochs=epochs, mini_batch_size=mini, micro_batch_size=micro, grad_clip=1e9,
-                                    max_tokens=max_tokens),
-                       beta=beta, loss=PolicyLossParams(agg_mode="token-mean"))
+    s = UpdateSettings(
+        LoopSettings(
+            ppo_epochs=epochs,
+            mini_batch_size=mini,
+            micro_batch_size=micro,
+            grad_clip=1e9,
+            max_tokens=max_tokens,
+        ),
+        beta=beta,
+        loss=PolicyLossParams(agg_mode="token-mean"),
+    )
     trainer = PolicyTrainer(model, ref, opt, sched, s)
     metrics = trainer.update(synthetic_batch(tokenizer))
     return {k: v.detach().clone() for k, v in model.named_parameters()}, metrics
@@ -67,7 +82,9 @@ def test_multiple_epochs_move_the_ratio_off_one(tokenizer):
 
 def test_token_budget_micro_batches_give_the_same_step(tokenizer):
     a, _ = trained_params(tokenizer, micro=8)
-    b, _ = trained_params(tokenizer, micro=None, max_tokens=20)  # several packed micro-batches of <= 20 tokens
+    b, _ = trained_params(
+        tokenizer, micro=None, max_tokens=20
+    )  # several packed micro-batches of <= 20 tokens
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
 
@@ -98,7 +115,9 @@ def test_rollout_probability_gap_is_the_token_mean_of_abs_prob_differences(token
     with torch.no_grad():
         logp = batch_logprobs(model.eval(), batch, 1.0, None)
     mask = batch.tensors["response_mask"].float()
-    shifted = torch.where(torch.arange(8)[:, None] % 2 == 0, logp + 0.1, logp)  # every other row: e^0.1 x the prob
+    shifted = torch.where(
+        torch.arange(8)[:, None] % 2 == 0, logp + 0.1, logp
+    )  # every other row: e^0.1 x the prob
     expected = float(((shifted.exp() - logp.exp()).abs() * mask).sum() / mask.sum())
     for micro, rollout, want in ((8, logp, 0.0), (8, shifted, expected), (1, shifted, expected)):
         torch.manual_seed(0)

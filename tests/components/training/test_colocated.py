@@ -9,14 +9,16 @@ import torch
 
 from components.data.formats import make_row
 from components.errors import ConfigError
-from components.rollout.base import SamplingParams
 from components.plan import make_plan
+from components.rollout.base import SamplingParams
 from components.training.ray_workers import start_workers, stop_workers
 from tests.components.training.test_actor import synthetic_batch
-from tests.components.training.test_distributed import config, ray_up  # noqa: F401 (fixture)
+from tests.components.training.test_distributed import config
 
-ROWS = [make_row("arith", f"{a}+{b}=", f"#### {a + b}", str(a + b), "train", i)
-        for i, (a, b) in enumerate([(1, 2), (10, 31), (7, 7)])]
+ROWS = [
+    make_row("arith", f"{a}+{b}=", f"#### {a + b}", str(a + b), "train", i)
+    for i, (a, b) in enumerate([(1, 2), (10, 31), (7, 7)])
+]
 PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
 
 
@@ -30,8 +32,9 @@ def samples(placement: str, model_dir, tokenizer) -> tuple[bool, list[torch.Tens
         version = workers.push_weights()
         after = workers.rollout.generate(ROWS, PARAMS, 7, 2, version)
         assert version == 1 and workers.rollout.versions() == [1]
-        return workers.rollout.colocated, [b.tensors[k] for b in (before, after)
-                                           for k in ("responses", "rollout_logprobs")]
+        return workers.rollout.colocated, [
+            b.tensors[k] for b in (before, after) for k in ("responses", "rollout_logprobs")
+        ]
     finally:
         stop_workers(workers)
 

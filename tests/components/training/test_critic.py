@@ -15,14 +15,21 @@ def critic(tokenizer, micro=None, lr=0.05, epochs=1):
     torch.nn.init.normal_(model.head.weight, std=0.1)  # a non-zero head, so the backbone gets gradients too
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return CriticTrainer(model, opt, sched, LoopSettings(ppo_epochs=epochs, micro_batch_size=micro, grad_clip=1e9),
-                         cliprange=0.5)
+    return CriticTrainer(
+        model,
+        opt,
+        sched,
+        LoopSettings(ppo_epochs=epochs, micro_batch_size=micro, grad_clip=1e9),
+        cliprange=0.5,
+    )
 
 
 def with_targets(tokenizer, trainer) -> Batch:
     b = synthetic_batch(tokenizer)
     mask = b.tensors["response_mask"].float()
-    return b.union(values=trainer.values(b), returns=torch.linspace(-1, 1, mask.numel()).reshape(mask.shape) * mask)
+    return b.union(
+        values=trainer.values(b), returns=torch.linspace(-1, 1, mask.numel()).reshape(mask.shape) * mask
+    )
 
 
 def test_values_are_zero_at_start_and_on_padding(tokenizer):

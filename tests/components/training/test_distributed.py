@@ -9,24 +9,28 @@ import ray
 import torch
 
 from components.config import load_config
-from components.training.loop import balanced_shards
 from components.plan import make_plan
-from components.training.ray_workers import ensure_ray, policy_group
+from components.training.loop import balanced_shards
+from components.training.ray_workers import policy_group
 from tests.components.training.test_actor import synthetic_batch
-
-
-@pytest.fixture(scope="module")
-def ray_up():
-    ensure_ray()
-    yield
 
 
 def config(model_dir, *extra: str):
     # SGD: Adam's first step is lr x sign(grad), which turns rounding noise in tiny gradients into lr-sized steps
-    return load_config(None, [f"actor.model.path={model_dir}", "data.batch_size=2", "engine.n=4",
-                              "actor.optimizer.type=sgd", "actor.optimizer.lr=0.05", "actor.optimizer.grad_clip=1000", "trainer.num_threads=1",
-                              "trainer.grad_compression=none",
-                              *extra])
+    return load_config(
+        None,
+        [
+            f"actor.model.path={model_dir}",
+            "data.batch_size=2",
+            "engine.n=4",
+            "actor.optimizer.type=sgd",
+            "actor.optimizer.lr=0.05",
+            "actor.optimizer.grad_clip=1000",
+            "trainer.num_threads=1",
+            "trainer.grad_compression=none",
+            *extra,
+        ],
+    )
 
 
 def one_update(cfg, tokenizer, n: int, steps: int = 1) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -60,9 +64,17 @@ def assert_same(a: dict, b: dict, atol: float) -> None:
 @pytest.mark.parametrize("strategy", ["fsdp-hybrid", "ddp-minibatches-tokens"])
 def test_two_workers_update_like_one(ray_up, tiny_model_dir, tokenizer, strategy):
     extra = ["trainer.strategy=" + strategy.split("-")[0]]
-    if strategy.endswith("minibatches-tokens"):  # 2 epochs x 2 mini-batches, micro-batches packed to 20 tokens
-        extra += ["actor.ppo_mini_batch_size=4", "actor.ppo_epochs=2", "actor.ppo_max_token_len_per_worker=20",
-                  "actor.model.max_seq_len=20", "data.max_prompt_len=4", "engine.max_new_tokens=8"]
+    if strategy.endswith(
+        "minibatches-tokens"
+    ):  # 2 epochs x 2 mini-batches, micro-batches packed to 20 tokens
+        extra += [
+            "actor.ppo_mini_batch_size=4",
+            "actor.ppo_epochs=2",
+            "actor.ppo_max_token_len_per_worker=20",
+            "actor.model.max_seq_len=20",
+            "data.max_prompt_len=4",
+            "engine.max_new_tokens=8",
+        ]
     n, group = 2, ["trainer.num_workers=2"]
     if strategy == "fsdp-hybrid":  # 2 replicas, each sharded over 2 workers
         n, group = 4, ["trainer.num_workers=4", "trainer.data_parallel_size=2"]
@@ -85,10 +97,17 @@ def test_shards_are_token_balanced_with_equal_rows(tokenizer):
 
 def test_slow_link_switches_to_powersgd_and_learns_like_uncompressed(ray_up, tiny_model_dir, tokenizer):
     base = ["trainer.strategy=ddp", "trainer.num_workers=2"]
-    plain, m_plain = one_update(config(tiny_model_dir, *base, "trainer.grad_compression=none"), tokenizer, 2, 6)
-    slow, m_slow = one_update(config(tiny_model_dir, *base, "trainer.grad_compression=auto",
-                                       "trainer.simulated_bandwidth_gbps=0.02"), tokenizer, 2,
-                              6)
+    plain, m_plain = one_update(
+        config(tiny_model_dir, *base, "trainer.grad_compression=none"), tokenizer, 2, 6
+    )
+    slow, m_slow = one_update(
+        config(
+            tiny_model_dir, *base, "trainer.grad_compression=auto", "trainer.simulated_bandwidth_gbps=0.02"
+        ),
+        tokenizer,
+        2,
+        6,
+    )
     assert m_slow[-1]["perf/grad_compression"] == 2 and m_slow[-1]["perf/grad_compression_rank"] == 1
     assert m_slow[-1]["perf/allreduce_gbps"] <= 0.021
     assert m_plain[-1]["perf/grad_compression"] == 0  # none, as asked
@@ -102,11 +121,22 @@ def test_slow_link_switches_to_powersgd_and_learns_like_uncompressed(ray_up, tin
 def test_deepspeed_zero_updates_like_one_worker(ray_up, tiny_model_dir, tokenizer, stage):
     pytest.importorskip("deepspeed", reason="deepspeed is in the gpu extra: pip install 'reinforge[gpu]'")
     one, m1 = one_update(config(tiny_model_dir), tokenizer, 1)
-    two, m2 = one_update(config(tiny_model_dir, "trainer.strategy=deepspeed", "trainer.num_workers=2",
-                                f"trainer.zero_stage={stage}", "trainer.save_optimizer=false"), tokenizer, 2)
+    two, m2 = one_update(
+        config(
+            tiny_model_dir,
+            "trainer.strategy=deepspeed",
+            "trainer.num_workers=2",
+            f"trainer.zero_stage={stage}",
+            "trainer.save_optimizer=false",
+        ),
+        tokenizer,
+        2,
+    )
     assert_same(one, two, 1e-5)
     assert max(float((one[k] - INITIAL[k]).abs().max()) for k in one) > 1e-3
-    assert abs(m1[0]["actor/grad_norm"] - m2[0]["actor/grad_norm"]) <= 1e-4 * max(1.0, m1[0]["actor/grad_norm"])
+    assert abs(m1[0]["actor/grad_norm"] - m2[0]["actor/grad_norm"]) <= 1e-4 * max(
+        1.0, m1[0]["actor/grad_norm"]
+    )
 
 
 def test_a_group_shrinks_to_what_the_cluster_holds(ray_up, tiny_model_dir):
@@ -117,5 +147,14 @@ def test_a_group_shrinks_to_what_the_cluster_holds(ray_up, tiny_model_dir):
     n = workers_that_fit(make_plan(cfg))
     assert n == max(k for k in range(1, free + 1) if 64 % k == 0)  # fits, and still splits the batch evenly
     with pytest.raises(RuntimeError, match=r"room for \d+ policy workers .* trainer.min_workers=64"):
-        workers_that_fit(make_plan(config(tiny_model_dir, "data.batch_size=16", "engine.n=4",
-                                          "trainer.num_workers=64", "trainer.min_workers=64")))
+        workers_that_fit(
+            make_plan(
+                config(
+                    tiny_model_dir,
+                    "data.batch_size=16",
+                    "engine.n=4",
+                    "trainer.num_workers=64",
+                    "trainer.min_workers=64",
+                )
+            )
+        )
