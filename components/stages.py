@@ -37,6 +37,10 @@ STAGES: dict[str, StageKeys] = {
             "data.gsm8k_test_path",
             "data.task",
             "data.tool_sft_fraction",
+            "data.max_count",
+            "data.llava_path",
+            "data.llava_image_folder",
+            "data.image_processor.size",
             "trainer.seed",
         )
     ),
@@ -50,10 +54,33 @@ STAGES: dict[str, StageKeys] = {
             "sft.output_dir",
             "actor.model.path",
             "multi_turn.enable",
+            # a VLM's prompts: how many tokens an image takes
+            "actor.model.type",
+            "actor.model.text_model",
+            "actor.model.vision_model",
+            "actor.model.fusion_method",
+            "actor.model.vision_token_ratio",
+            "actor.model.max_seq_len",
+            "data.image_processor",
         )
     ),
     "sft": StageKeys(
-        ("sft", "actor.model.max_seq_len", *PROMPT_KEYS, "data.task", "multi_turn.enable", "trainer.seed")
+        (
+            "sft",
+            *PROMPT_KEYS,
+            "data.task",
+            "multi_turn.enable",
+            "trainer.seed",
+            "actor.model.type",
+            "actor.model.text_model",
+            "actor.model.vision_model",
+            "actor.model.fusion_method",
+            "actor.model.vision_token_ratio",
+            "actor.model.max_seq_len",
+            "data.image_processor",
+            "actor.model.freeze_vision_model",
+            "actor.model.vision_lr_ratio",
+        )
     ),
     "train": StageKeys(
         (

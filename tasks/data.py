@@ -8,12 +8,16 @@ from pathlib import Path
 from prefect import task
 
 from components.config import Config
-from components.data.clean import RowRules, clean_file, dedup_key, validate_file
-from components.data.formats import ROW_SCHEMA, arithmetic_rows, gsm8k_splits
+from components.data.clean import RowRules, clean_file, row_key, validate_file
+from components.data.formats import ROW_SCHEMA, arithmetic_rows, gsm8k_splits, row_schema
+from components.data.images import absolute_images, llava_rows, visual_count_rows
 from components.data.io import read_rows, to_plain, write_parquet
+from components.errors import ConfigError, DataError
 from components.lineage import verify_tracked
-from components.models.loading import load_tokenizer
+from components.models.loading import load_image_encoder, load_tokenizer
+from components.models.multimodal import composed_image_tokens
 from components.models.tiny import build_char_tokenizer
+from components.models.vlm import with_image_token
 from components.stages import STAGES
 from tasks.caching import StageCache, cached_stage
 from tasks.common import logger, stage
@@ -46,10 +50,35 @@ def tokenizer_source(cfg: Config) -> tuple[str, str] | None:
 
 
 def _tokenizer_of(source: tuple[str, str] | None, cfg: Config):
-    if source is None:  # the tiny model's, with the tool-call tokens for multi-turn runs
-        return build_char_tokenizer(tool_tokens=cfg.multi_turn.enable or cfg.data.task == "arith_tool")
+    """The tokenizer at `source`, or the one SFT will build: the tiny model's (with the tool-call tokens for
+    multi-turn runs), or for a VLM that SFT composes, actor.model.text_model's; either with `<image>` added."""
+    composing = cfg.actor.model.type == "multimodal" and source is None
+    if source is None and composing and cfg.actor.model.text_model:
+        source = ("actor.model.text_model", cfg.actor.model.text_model)
+    if source is None:
+        tok = build_char_tokenizer(tool_tokens=cfg.multi_turn.enable or cfg.data.task == "arith_tool")
+    else:
+        key, path = source
+        tok = load_tokenizer(path, key)
+    return with_image_token(tok) if composing else tok
+
+
+def data_image_tokens(cfg: Config) -> int | None:
+    """Tokens each `<image>` of a prompt becomes for the policy the data is cleaned for: its processor's
+    expansion (a VLM directory), the composed model's (multimodal SFT), or None for a text-only policy."""
+    if cfg.actor.model.type != "multimodal":
+        return None
+    source = tokenizer_source(cfg)
+    if source is None:
+        return composed_image_tokens(cfg)
     key, path = source
-    return load_tokenizer(path, key)
+    encoder = load_image_encoder(path, load_tokenizer(path, key), key)
+    if encoder is None:
+        raise ConfigError(
+            f"{key}={path} is a text-only model, but actor.model.type=multimodal; point it at a "
+            "vision-language model directory, or leave sft.base_model unset to compose one."
+        )
+    return encoder.image_tokens
 
 
 def data_tokenizer(cfg: Config):
@@ -86,7 +115,11 @@ def prepare_data(cfg: Config) -> list[str]:
     data.gsm8k_test_path, or a seeded held-out split of it)."""
     d = cfg.data
     raw = Path(d.raw_dir)
-    if d.gsm8k_path:
+    schema = ROW_SCHEMA
+    if d.task == "visual_count" or d.llava_path:
+        train, test = visual_rows(cfg)
+        schema = row_schema("text", images=True)
+    elif d.gsm8k_path:
         train, test = gsm8k_splits(d.gsm8k_path, d.gsm8k_test_path, d.num_eval, cfg.trainer.seed)
     else:
         train, test = arithmetic_rows(
@@ -98,11 +131,36 @@ def prepare_data(cfg: Config) -> list[str]:
             d.tool_sft_fraction if d.task == "arith_tool" else None,
         )
     paths = [
-        write_parquet(rows, raw / name, ROW_SCHEMA)
+        write_parquet(rows, raw / name, schema)
         for rows, name in ((train, "train.parquet"), (test, "test.parquet"))
     ]
     logger().info("prepared %d train and %d test rows in %s", len(train), len(test), raw)
     return [str(p) for p in paths]
+
+
+def visual_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """The visual counting task's rows, images written as PNG under data.raw_dir/images; or an import of the
+    LLaVA jsonl data.llava_path with data.num_eval seeded rows held out."""
+    import random
+
+    d = cfg.data
+    if not d.llava_path:
+        images = Path(d.raw_dir) / "images"
+        size = d.image_processor.size
+        return visual_count_rows(d.num_train, d.num_eval, d.max_count, images, size, cfg.trainer.seed)
+    rows = llava_rows(d.llava_path, d.llava_image_folder)
+    if d.num_eval >= len(rows):
+        raise DataError(
+            f"data.llava_path={d.llava_path} has {len(rows)} rows, too few to hold out data.num_eval="
+            f"{d.num_eval}; lower data.num_eval."
+        )
+    order = list(range(len(rows)))
+    random.Random(cfg.trainer.seed).shuffle(order)
+    held = set(order[: d.num_eval])
+    test = [
+        {**r, "extra_info": {**r["extra_info"], "split": "test"}} for i, r in enumerate(rows) if i in held
+    ]
+    return [r for i, r in enumerate(rows) if i not in held], test
 
 
 @task(name="clean-data", timeout_seconds=600, **cached_stage(CLEAN_CACHE))
@@ -110,7 +168,7 @@ def clean_data(cfg: Config) -> list[dict]:
     """Validate raw rows; write clean files and quarantine files (with reasons); log the counts. Held-out
     rows whose prompt is a training prompt are quarantined (`in_train`)."""
     d = cfg.data
-    tokenizer, rules = data_tokenizer(cfg), RowRules.from_config(cfg)
+    tokenizer, rules = data_tokenizer(cfg), RowRules.from_config(cfg, data_image_tokens(cfg))
     raw = Path(d.raw_dir)
     reports, train_keys = [], None
     for src, dst in ((raw / "train.parquet", d.train_path), (raw / "test.parquet", d.eval_path)):
@@ -131,7 +189,7 @@ def clean_data(cfg: Config) -> list[dict]:
 
 
 def _keys(rows) -> set:
-    return {dedup_key(r["data_source"], r["prompt"]) for r in rows}
+    return {row_key(r) for r in rows}
 
 
 @stage(name="load-datasets", timeout_seconds=600)
@@ -139,8 +197,10 @@ def load_datasets(cfg: Config, tokenizer) -> tuple[list[dict], list[dict]]:
     """The train and eval rows, each checked as the clean stage checks them (with the policy's tokenizer) and
     with their md5 matching what DVC recorded: a bad row or a file edited behind DVC's back stops the run here,
     naming the file, row and column, before any worker or MLflow run starts."""
-    rules = RowRules.from_config(cfg)
+    encoder = load_image_encoder(cfg.actor.model.path, tokenizer)
+    rules = RowRules.from_config(cfg, encoder.image_tokens if encoder else None)
     train = validate_file(cfg.data.train_path, "data.train_path", tokenizer, rules)
     test = validate_file(cfg.data.eval_path, "data.eval_path", tokenizer, rules, _keys(train))
     verify_tracked([cfg.data.train_path, cfg.data.eval_path])
-    return train, test
+    # image paths made absolute: Ray workers need not share the driver's working directory
+    return absolute_images(train, Path.cwd()), absolute_images(test, Path.cwd())

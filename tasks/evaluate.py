@@ -11,7 +11,7 @@ from components.config import Config
 from components.data.clean import RowRules, validate_file
 from components.data.io import write_json
 from components.evaluation import evaluate
-from components.models.loading import load_tokenizer
+from components.models.loading import load_image_encoder, load_tokenizer
 from components.plan import make_plan
 from components.rewards.registry import score_batch, scorers_for
 from components.rollout.worker import RolloutWorker
@@ -36,8 +36,10 @@ def evaluate_model(
 ) -> dict[str, float]:
     """Greedy accuracy (`acc`) and sampled mean@k / pass@k of the model at `model_path`. The held-out rows
     are checked first, as the clean stage checks them, with this model's tokenizer."""
+    tokenizer = load_tokenizer(model_path, model_key)
+    images = load_image_encoder(model_path, tokenizer, model_key)
     rows = validate_file(
-        eval_path, data_key, load_tokenizer(model_path, model_key), RowRules.from_config(cfg)
+        eval_path, data_key, tokenizer, RowRules.from_config(cfg, images.image_tokens if images else None)
     )
     rows = rows[: cfg.trainer.eval_size] if cfg.trainer.eval_size else rows
     plan = make_plan(cfg)

@@ -9,12 +9,16 @@ from prefect import task
 
 from components.config import Config
 from components.data.clean import RowRules, validate_file
+from components.data.images import ImageEncoder, absolute_images
 from components.data.prompts import PromptSettings
 from components.errors import DataError
 from components.models import build_tiny_model, load_model, save_pretrained
+from components.models.loading import load_image_encoder
+from components.models.multimodal import compose_policy
 from components.outputs import SFT_MODEL, check_output
 from components.progress import progress_bar
 from components.stages import STAGES
+from components.training.optim import freeze_vision, param_groups
 from components.training.seeding import seed_everything
 from components.training.sft import SFTExample, encode_examples, train_sft
 from tasks.caching import StageCache, cached_stage
@@ -58,15 +62,22 @@ def run_sft(cfg: Config) -> str:
     s, path = cfg.sft, cfg.data.train_path
     check_output(s.output_dir, "sft.output_dir", SFT_MODEL, cfg.trainer.run_dir)  # before any work
     tok = sft_tokenizer(cfg)
-    rows = validate_file(path, "data.train_path", tok, RowRules.from_config(cfg))
-    answers = [r["extra_info"]["answer"] for r in rows]
-    examples = encode_examples(tok, [r["prompt"] for r in rows], answers, PromptSettings.from_config(cfg))
-    check_examples(examples, answers, cfg.actor.model.max_seq_len, path)
     seed_everything(cfg.trainer.seed)
     torch.set_num_threads(cfg.trainer.num_threads)
+    model, images = None, None
     if s.base_model:
         model = load_model(s.base_model, key="sft.base_model")
-    else:
+        images = load_image_encoder(s.base_model, tok, "sft.base_model")
+    elif cfg.actor.model.type == "multimodal":
+        model, processor = compose_policy(cfg, tok, cfg.trainer.seed)
+        images = ImageEncoder(processor, model.config.image_tokens)
+    rules = RowRules.from_config(cfg, images.image_tokens if images else None)
+    rows = absolute_images(validate_file(path, "data.train_path", tok, rules), Path.cwd())
+    answers = [r["extra_info"]["answer"] for r in rows]
+    prompts = [r["prompt"] for r in rows]
+    examples = encode_examples(tok, prompts, answers, PromptSettings.from_config(cfg), images, rows)
+    check_examples(examples, answers, cfg.actor.model.max_seq_len, path)
+    if model is None:
         model = build_tiny_model(
             tok,
             hidden_size=s.hidden_size,
@@ -76,6 +87,7 @@ def run_sft(cfg: Config) -> str:
             max_positions=cfg.actor.model.max_seq_len,
             seed=cfg.trainer.seed,
         )
+    freeze_vision(model, cfg.actor.model)
     with progress_bar("sft", s.steps, cfg.trainer.progress) as advance:
         losses = train_sft(
             model,
@@ -86,9 +98,12 @@ def run_sft(cfg: Config) -> str:
             pad_id=tok.pad_token_id,
             seed=cfg.trainer.seed,
             final_lr_frac=s.final_lr_frac,
+            params=param_groups(model, s.lr, cfg.actor.model),
             on_step=lambda step, loss: advance(info=f"loss {loss:.3f}"),
         )
-    out = save_pretrained(model, tok, Path(s.output_dir), kind=SFT_MODEL)
+    out = save_pretrained(
+        model, tok, Path(s.output_dir), kind=SFT_MODEL, processor=images.processor if images else None
+    )
     logger().info(
         "SFT: %d steps, final loss %.4f, saved to %s", s.steps, losses[-1] if losses else float("nan"), out
     )

@@ -89,6 +89,28 @@ class ModelConfig(Section):
     attention_implementation: Literal["eager", "sdpa", "flash_attention_2"] = Field(
         "sdpa", description="attention kernel passed to transformers"
     )
+    # a vision-language policy (docs/multimodal.md): SFT composes text_model and vision_model with the fusion
+    # layers; training, rollout and evaluation then load the composed model from `path`
+    type: Literal["text", "multimodal"] = Field("text", description="text: a causal LM; multimodal: a VLM")
+    text_model: str | None = Field(
+        None, description="multimodal SFT: local causal-LM directory to compose; None = the tiny text model"
+    )
+    vision_model: str | None = Field(
+        None, description="multimodal SFT: local vision encoder (a CLIP ViT) directory; None = a tiny one"
+    )
+    fusion_method: Literal["projector", "cross_attention"] = Field(
+        "projector", description="projector (LLaVA-style tokens) or cross_attention (gated, Flamingo-style)"
+    )
+    freeze_vision_model: bool = Field(False, description="vision tower parameters get no updates")
+    vision_lr_ratio: float = Field(
+        0.1, gt=0, le=1, description="the vision tower's learning rate as a fraction of the text model's"
+    )
+    vision_token_ratio: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="largest share of max_seq_len an image may take; images are pooled down to fit",
+    )
 
 
 class OptimizerConfig(Section):
@@ -303,6 +325,11 @@ class SandboxConfig(Section):
         )
 
 
+class ImageProcessorConfig(Section):
+    size: int = Field(32, ge=8, description="images are resized to this many pixels a side")
+    crop: bool = Field(True, description="resize the short side, then center-crop a square; false = squash")
+
+
 class DataConfig(Section):
     train_path: str = Field("data/clean/train.parquet", description="cleaned training parquet")
     eval_path: str = Field("data/clean/test.parquet", description="cleaned held-out parquet")
@@ -331,8 +358,20 @@ class DataConfig(Section):
     gsm8k_test_path: str | None = Field(
         None, description="local GSM8K test file; None = hold out data.num_eval seeded rows of gsm8k_path"
     )
-    task: Literal["arith", "arith_tool"] = Field(
-        "arith", description="generated task; arith_tool: SFT answers that call the calculator (multi_turn)"
+    task: Literal["arith", "arith_tool", "visual_count"] = Field(
+        "arith",
+        description="generated task; arith_tool: SFT answers that call the calculator (multi_turn); "
+        "visual_count: count the shapes in an image (actor.model.type=multimodal)",
+    )
+    image_processor: ImageProcessorConfig = Field(
+        default_factory=lambda: ImageProcessorConfig(), description="how images become pixels"
+    )
+    max_count: int = Field(4, ge=1, le=9, description="visual_count: most shapes in an image")
+    llava_path: str | None = Field(
+        None, description="a local LLaVA jsonl (image, conversations) to import instead of the generator"
+    )
+    llava_image_folder: str | None = Field(
+        None, description="where the LLaVA jsonl's image paths are relative to; None = the jsonl's folder"
     )
     tool_sft_fraction: float = Field(
         0.5,

@@ -25,7 +25,8 @@ import pandera.pandas as pa
 from components.data.formats import row_schema
 from components.data.io import read_rows, to_plain, write_parquet
 from components.data.prompts import MESSAGES, PromptSettings, check_fits, encode_prompt, prompt_form, prompt_text
-from components.errors import DataError
+from components.data.images import IMAGE_TOKEN, image_problem
+from components.errors import ConfigError, DataError
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
 QUARANTINE_COLUMNS = ["source_file", "source_row", "reason", "column", "detail", "row_json"]
@@ -38,11 +39,14 @@ class RowRules:
     max_prompt_len: int
     allow_unk: bool = False
     prompts: PromptSettings = field(default_factory=PromptSettings)
+    # tokens each `<image>` placeholder becomes for the policy (its processor's expansion); None = a text-only
+    # policy, which refuses files with images
+    image_tokens: int | None = None
 
     @classmethod
-    def from_config(cls, cfg) -> "RowRules":
+    def from_config(cls, cfg, image_tokens: int | None = None) -> "RowRules":
         d = cfg.data
-        return cls(d.max_prompt_len, d.allow_unk, PromptSettings.from_config(cfg))
+        return cls(d.max_prompt_len, d.allow_unk, PromptSettings.from_config(cfg), image_tokens)
 
 
 @dataclass(frozen=True)
@@ -140,11 +144,20 @@ def _schema_problems(flat: pd.DataFrame) -> dict[int, Problem]:
         return problems
 
 
-def dedup_key(data_source: str, prompt) -> tuple[str, str]:
+def dedup_key(data_source: str, prompt, image_digest: str | None = None) -> tuple:
     """Rows that say the same thing: Unicode compatibility forms folded (NFKC: full-width digits are digits)
-    and runs of whitespace made one space."""
+    and runs of whitespace made one space; with images, the same picture bytes too."""
     text = unicodedata.normalize("NFKC", prompt_text(prompt))
-    return data_source, " ".join(text.split())
+    key = (data_source, " ".join(text.split()))
+    return (*key, image_digest) if image_digest else key
+
+
+def row_key(rec: dict) -> tuple:
+    """dedup_key of a kept row (its images' digest read from their bytes)."""
+    digest = None
+    if rec.get("images"):
+        digest = image_problem(rec["prompt"], rec["images"])[2]
+    return dedup_key(rec["data_source"], rec["prompt"], digest)
 
 
 def _normalise(rec: dict) -> dict:
@@ -153,7 +166,9 @@ def _normalise(rec: dict) -> dict:
     prompt = rec["prompt"] if isinstance(rec["prompt"], str) else [
         {"role": m["role"], "content": m["content"]} for m in rec["prompt"]]
     style = rec["reward_model"].get("style")
+    images = {"images": list(rec["images"])} if rec.get("images") is not None else {}
     return {
+        **images,
         "data_source": rec["data_source"],
         "prompt": prompt,
         "ability": rec.get("ability") if isinstance(rec.get("ability"), str) else "",
@@ -170,20 +185,35 @@ class RowChecker:
     """Checks rows with one tokenizer and one set of rules; `train_keys` (dedup keys of the training rows) makes
     a held-out file refuse rows that are also training rows."""
 
-    def __init__(self, tokenizer, rules: RowRules, train_keys: set | None = None):
+    def __init__(self, tokenizer, rules: RowRules, train_keys: set | None = None, base: Path | None = None):
+        """`base`: where relative image paths are found when not relative to the working directory."""
         self.tokenizer, self.rules = tokenizer, rules
         self.train_keys = train_keys or set()
+        self.base = base
+
+    def _check_vision(self, df: pd.DataFrame, source_file: str) -> None:
+        """A file with images needs a vision-language policy: ConfigError naming actor.model.type if not."""
+        has_images = "images" in df.columns and df["images"].map(lambda v: v is not None and len(v) > 0).any()
+        if has_images and self.rules.image_tokens is None:
+            raise ConfigError(
+                f"{source_file} has images, but the policy is a text-only model (actor.model.type=text). "
+                "Set actor.model.type=multimodal (with a vision-language actor.model.path or sft composing "
+                "one), or give text-only data."
+            )
 
     def _token_problem(self, prompt) -> Problem | None:
         ids = encode_prompt(self.tokenizer, prompt, self.rules.prompts)
+        images = prompt_text(prompt).count(IMAGE_TOKEN) if self.rules.image_tokens else 0
+        length = len(ids) + images * (self.rules.image_tokens or 1) - images
         unk = self.tokenizer.unk_token_id
         if unk is not None and unk in ids and not self.rules.allow_unk:
             bad = sorted({c for c in prompt_text(prompt) if self.tokenizer.unk_token_id in
                           self.tokenizer(c, add_special_tokens=False)["input_ids"]})
             return Problem("unk_tokens", "prompt", f"characters outside the tokenizer's vocabulary: {bad[:8]!r} "
                                                    "(data.allow_unk=true keeps such rows)")
-        if len(ids) > self.rules.max_prompt_len:
-            return Problem("too_long", "prompt", f"prompt has {len(ids)} tokens > data.max_prompt_len="
+        if length > self.rules.max_prompt_len:
+            with_images = f" ({images} image(s) of {self.rules.image_tokens} tokens)" if images else ""
+            return Problem("too_long", "prompt", f"prompt has {length} tokens{with_images} > data.max_prompt_len="
                                                  f"{self.rules.max_prompt_len}")
         return None
 
@@ -204,6 +234,13 @@ class RowChecker:
             if form is None:
                 form = this
                 check_fits(self.tokenizer, form, self.rules.prompts, source_file)
+                self._check_vision(df, source_file)
+            digest = None
+            if "images" in df.columns or IMAGE_TOKEN in prompt_text(rec["prompt"]):
+                reason, detail, digest = image_problem(rec["prompt"], rec.get("images"), self.base)
+                if reason:
+                    problems[i] = Problem(reason, "images", detail)
+                    continue
             if this != form:
                 problems[i] = Problem("prompt_form", "prompt", f"a {this} prompt in a file of {form} prompts; one "
                                                                 "file holds one form")
@@ -212,7 +249,7 @@ class RowChecker:
             if problem is not None:
                 problems[i] = problem
                 continue
-            key = dedup_key(rec["data_source"], rec["prompt"])
+            key = dedup_key(rec["data_source"], rec["prompt"], digest)
             if key in seen:
                 problems[i] = Problem("duplicate", "prompt", f"duplicate of row {seen[key]}")
             elif key in self.train_keys:
@@ -252,7 +289,7 @@ def clean_file(src: str | Path, dst: str | Path, quarantine_dir: str | Path, tok
     survives, the quarantine file is still written, a previous `dst` is removed (it would look valid to the
     next stage), and DataError names the quarantine file."""
     df = read_rows(src, key="input data")
-    kept, quarantined = clean_rows(df, tokenizer, rules, str(src), train_keys)
+    kept, quarantined = RowChecker(tokenizer, rules, train_keys, Path(src).parent).check(df, str(src))
     qpath = Path(quarantine_dir) / (Path(dst).stem + ".parquet")
     write_parquet(quarantined, qpath, schema=None if quarantined else _empty_quarantine_schema())
     counts = dict(sorted(Counter(q["reason"] for q in quarantined).items()))
@@ -261,7 +298,7 @@ def clean_file(src: str | Path, dst: str | Path, quarantine_dir: str | Path, tok
         first = f"row {quarantined[0]['source_row']}: {quarantined[0]['detail']}" if quarantined else "the file is empty"
         raise DataError(f"{src}: all {len(df)} rows were quarantined ({counts or 'none'}), written to {qpath}; the "
                         f"first: {first}. Fix the data and run `reinforge clean` again.")
-    write_parquet(kept, dst, schema=row_schema(prompt_form(kept[0]["prompt"])))
+    write_parquet(kept, dst, schema=row_schema(prompt_form(kept[0]["prompt"]), images="images" in kept[0]))
     return CleanReport(len(df), len(kept), len(quarantined), counts, str(dst), str(qpath))
 
 
@@ -271,7 +308,7 @@ def validate_file(path: str | Path, key: str, tokenizer, rules: RowRules,
     the file, the first bad rows, their column and reason when any row fails (nothing is quarantined here:
     the flow stops before any work, and `reinforge clean` sorts the file)."""
     df = read_rows(path, key=key)
-    kept, bad = RowChecker(tokenizer, rules, train_keys).check(df, str(path))
+    kept, bad = RowChecker(tokenizer, rules, train_keys, Path(path).parent).check(df, str(path))
     if bad:
         shown = "; ".join(f"row {q['source_row']}, column {q['column']}: {q['reason']} ({q['detail']})"
                           for q in bad[:3])

@@ -22,9 +22,11 @@ GSM8K_SOURCE = "openai/gsm8k"
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
 
-def row_schema(form: str = "messages") -> pa.Schema:
-    """The parquet schema of rows whose prompts are chat messages ("messages") or plain strings ("text")."""
-    return pa.schema([
+def row_schema(form: str = "messages", images: bool = False) -> pa.Schema:
+    """The parquet schema of rows whose prompts are chat messages ("messages") or plain strings ("text"),
+    with an `images` column (paths) when `images`."""
+    extra = [("images", pa.list_(pa.string()))] if images else []
+    return pa.schema(extra + [
         ("data_source", pa.string()),
         ("prompt", MESSAGES_TYPE if form == "messages" else pa.string()),
         ("ability", pa.string()),

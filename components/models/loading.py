@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from transformers.utils import logging as hf_logging
 
 from components.errors import ConfigError, OutputError
+from components.models.vlm import is_vlm_dir, load_processor, processor_image_tokens
 from components.outputs import MODEL, marker_kind, write_marker
 
 hf_logging.disable_progress_bar()  # no per-load bars in pipeline logs
@@ -142,7 +143,13 @@ def load_model(
     """A causal LM from local disk only, in `dtype`, with the named attention kernel. Weights load from
     safetensors only (check_model_dir refuses a pickle-only directory with the command that converts it)."""
     p = check_model_dir(path, key, weights=safetensors_only)
-    return AutoModelForCausalLM.from_pretrained(
+    if is_vlm_dir(p):  # a vision-language model (ours, LLaVA): transformers' image-text-to-text classes
+        from transformers import AutoModelForImageTextToText
+
+        auto = AutoModelForImageTextToText
+    else:
+        auto = AutoModelForCausalLM
+    return auto.from_pretrained(
         p,
         dtype=DTYPES[dtype],
         attn_implementation=attn,
@@ -157,10 +164,12 @@ def save_pretrained(
     out: str | Path,
     state_dict: dict | None = None,
     kind: str = MODEL,
+    processor=None,
 ) -> Path:
     """Save model (safetensors) and tokenizer in Hugging Face format, atomically: into a temporary sibling
     directory that replaces `out` only once complete, so a crash never leaves a half-written model.
-    `state_dict` (the whole model, gathered from sharded workers) is written instead of the model's own.
+    `state_dict` (the whole model, gathered from sharded workers) is written instead of the model's own; a
+    VLM's `processor` is saved with it (its image processor and the tokenizer).
     The directory is marked as an output of `kind`; an existing `out` is replaced only when it carries that
     mark (components.outputs), never a directory reinforge did not write."""
     from components.tracking.checkpoints import replace_dir
@@ -176,9 +185,19 @@ def save_pretrained(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp)
+        (processor or tokenizer).save_pretrained(tmp)  # a VLM's processor saves its tokenizer too
         write_marker(tmp, kind)
         replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def load_image_encoder(path: str | Path, tokenizer, key: str = "actor.model.path"):
+    """The ImageEncoder of a vision-language model directory (components.data.images), None for a text model."""
+    from components.data.images import ImageEncoder
+
+    if not is_vlm_dir(path):
+        return None
+    processor = load_processor(path, tokenizer, key)
+    return ImageEncoder(processor, processor_image_tokens(processor))

@@ -59,6 +59,7 @@ SCORERS: dict[str, Callable[[Config], Scorer]] = {
 REWARDS: dict[str, Callable[[Config], Scorer]] = {
     "arith": _gsm8k,
     "arith_tool": _gsm8k,
+    "visual_count": _gsm8k,  # the visual counting task: `#### N`, as arith
     "openai/gsm8k": _gsm8k,
     "lighteval/MATH": _math,
     "DigitalLearningGmbH/MATH-lighteval": _math,

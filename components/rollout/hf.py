@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from components.models.vlm import image_token_id
 from components.rollout.base import RolloutOutput, SamplingParams, check_newer
 from components.rollout.fast_decode import LeanDecoder, prefill_mask, unsupported_reason
 from components.rollout.sampling import sample_tokens
@@ -37,6 +38,7 @@ class HFEngine:
         self.weights_version = 0
         self.slow_reason = unsupported_reason(model) if fast_decode else "fast_decode=False"
         self.lean = LeanDecoder(model) if self.slow_reason is None else None
+        self.banned = image_token_id(model)  # a VLM's image token is never sampled
 
     @classmethod
     def from_path(
@@ -69,16 +71,25 @@ class HFEngine:
         self.weights_version = version
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seed: int,
+        pixel_values: torch.Tensor | None = None,
+    ) -> RolloutOutput:
+        """`pixel_values` (B, C, H, W): each prompt's image, for a VLM (its prefill sees them; the KV cache then
+        holds the image tokens, or, for cross-attention, the image states)."""
         device = next(self.model.parameters()).device
         gen = torch.Generator(device=device).manual_seed(seed)
         ids, mask = left_pad(prompts, self.pad_id)
         ids = ids.repeat_interleave(params.n, 0).to(device)  # (N, P)
         mask = mask.repeat_interleave(params.n, 0).to(device)
+        images = None if pixel_values is None else pixel_values.repeat_interleave(params.n, 0).to(device)
         decoder = (
             _LeanSteps(self.lean, self.model, ids, mask, params.max_new_tokens)
             if self.lean is not None
-            else _HFSteps(self.model, ids, mask)
+            else _HFSteps(self.model, ids, mask, images)
         )
         n_rows = ids.shape[0]
         tokens_out = torch.full((n_rows, params.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
@@ -88,6 +99,8 @@ class HFEngine:
         stops = torch.tensor([self.eos_id, *params.stop_token_ids], device=device)
         logits, steps = decoder.logits, 0
         for t in range(params.max_new_tokens):
+            if self.banned is not None:
+                logits[:, self.banned] = float("-inf")
             tok, logp = sample_tokens(logits, params.temperature, params.top_k, params.top_p, gen)
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
             tokens_out[active, t] = tok
@@ -123,10 +136,13 @@ class _HFSteps:
 
     can_drop = False
 
-    def __init__(self, model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor):
+    def __init__(
+        self, model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, pixel_values: torch.Tensor | None
+    ):
         self.model, self.mask = model, mask
         self.cache = {cache_kwarg(model): DynamicCache()}
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        images = {"pixel_values": pixel_values} if pixel_values is not None else {}
         self.logits = model(
             input_ids=ids,
             attention_mask=mask,
@@ -134,6 +150,7 @@ class _HFSteps:
             **self.cache,
             use_cache=True,
             logits_to_keep=1,
+            **images,
         ).logits[:, -1, :]
         self.next_pos = positions[:, -1:] + 1
 

@@ -14,7 +14,12 @@ from transformers import PreTrainedModel
 from components.algorithms.losses import POLICY_LOSSES, AggParams, PolicyLossParams, agg_loss, kl_penalty
 from components.batch import Batch
 from components.training.distributed import Comm
-from components.training.logprobs import batch_logprobs, response_attention, response_logprobs
+from components.training.logprobs import (
+    batch_logprobs,
+    response_attention,
+    response_logprobs,
+    vision_inputs,
+)
 from components.training.loop import LoopSettings, minibatch_update
 
 
@@ -94,6 +99,7 @@ class PolicyTrainer:
             response_attention(t),
             self.s.temperature,
             with_entropy=entropy,
+            **vision_inputs(t),
         )
 
     def off_policy(self, n_rows: int) -> bool:

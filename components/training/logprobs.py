@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from components.models.vlm import image_token_id
+
 
 def sequence_inputs(
     prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor
@@ -22,6 +24,11 @@ def response_attention(t: dict[str, torch.Tensor]) -> torch.Tensor:
     return t.get("response_attention_mask", t["response_mask"])
 
 
+def vision_inputs(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The image inputs of a batch's rows for a VLM's forward ({} for text): `pixel_values` (N, C, H, W)."""
+    return {"pixel_values": t["pixel_values"]} if "pixel_values" in t else {}
+
+
 def response_logprobs(
     model: PreTrainedModel,
     prompts: torch.Tensor,
@@ -30,15 +37,23 @@ def response_logprobs(
     response_mask: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    pixel_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(response_t | prefix) (N, R) and, if asked, the entropy of each step's distribution (N, R).
 
-    Logits are divided by the sampling temperature, as the rollout engine did when it sampled.
+    Logits are divided by the sampling temperature, as the rollout engine did when it sampled. A VLM gets each
+    row's image as `pixel_values` (N, C, H, W); its image tokens are part of the prompt.
     """
     ids, mask, positions = sequence_inputs(prompts, prompt_mask, responses, response_mask)
     P, R = prompts.shape[1], responses.shape[1]
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    images = {"pixel_values": pixel_values} if pixel_values is not None else {}
+    logits = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **images
+    ).logits
     logits = logits[:, P - 1 : P + R - 1, :].float()  # (N, R, V): position t predicts response token t
+    banned = image_token_id(model)
+    if banned is not None:  # a VLM never writes its image token (the engine samples without it too)
+        logits[..., banned] = float("-inf")
     if temperature not in (0, 1):
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -62,7 +77,13 @@ def batch_logprobs(
         t = p.tensors
         parts.append(
             response_logprobs(
-                model, t["prompts"], t["prompt_mask"], t["responses"], response_attention(t), temperature
+                model,
+                t["prompts"],
+                t["prompt_mask"],
+                t["responses"],
+                response_attention(t),
+                temperature,
+                **vision_inputs(t),
             )[0]
         )
     return torch.cat(parts)

@@ -20,6 +20,7 @@ class SFTExample:
     prompt_ids: list[int]
     answer_ids: list[int]  # ends with EOS
     answer_mask: list[int] | None = None  # 1 = a target token; None = all of them
+    pixel_values: torch.Tensor | None = None  # (C, H, W): the prompt's image, for a VLM
 
 
 def encode_examples(
@@ -27,22 +28,28 @@ def encode_examples(
     prompts: list,
     answers: list[str],
     settings: PromptSettings = PromptSettings(),
+    images=None,
+    rows: list[dict] | None = None,
 ) -> list[SFTExample]:
     """Prompt as the rollout engine sees it (components.data.prompts), answer + EOS;
     `<tool_response>...</tool_response>` spans of an answer (a tool-calling trajectory) are tokenized on their
-    own and masked out of the loss."""
+    own and masked out of the loss. With `images` (a VLM's ImageEncoder) and the `rows`, each prompt's image
+    tokens are expanded and its pixels kept, as the rollout worker does."""
     out = []
-    for prompt, answer in zip(prompts, answers):
+    pixels = images.pixels(rows) if images is not None else None
+    for row, (prompt, answer) in enumerate(zip(prompts, answers)):
         ids, mask = [], []
         for k, part in enumerate(_TOOL_OUTPUT.split(answer)):
             part_ids = tokenizer(part, add_special_tokens=False)["input_ids"] if part else []
             ids += part_ids
             mask += [k % 2 == 0] * len(part_ids)  # odd parts are the tool outputs
+        prompt_ids = encode_prompt(tokenizer, prompt, settings)
         out.append(
             SFTExample(
-                encode_prompt(tokenizer, prompt, settings),
+                images.expand(prompt_ids) if images is not None else prompt_ids,
                 ids + [tokenizer.eos_token_id],
                 [int(m) for m in mask] + [1] if not all(mask) else None,
+                pixels[row] if pixels is not None else None,
             )
         )
     return out
@@ -62,7 +69,10 @@ def collate(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
         if e.answer_mask is not None:
             targets = torch.where(torch.tensor(e.answer_mask, dtype=torch.bool), targets, -100)
         labels[i, len(e.prompt_ids) : len(seq)] = targets
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if examples[0].pixel_values is not None:
+        batch["pixel_values"] = torch.stack([e.pixel_values for e in examples])
+    return batch
 
 
 def train_sft(
@@ -75,16 +85,18 @@ def train_sft(
     pad_id: int,
     seed: int,
     final_lr_frac: float = 1.0,
+    params: list[dict] | None = None,
     on_step: Callable[[int, float], None] | None = None,
 ) -> list[float]:
     """AdamW over shuffled examples, lr decaying linearly to lr * final_lr_frac; returns the loss per step.
 
     The default keeps lr constant: a run that ends at lr ~ 0 settles where the loss is very sharp, and the
     first RL steps from there overshoot (measured: one SGD step of norm 0.05 along the SFT gradient takes
-    greedy accuracy from 0.67 to 0.06 after a decayed schedule).
+    greedy accuracy from 0.67 to 0.06 after a decayed schedule). `params`: optimizer groups (a VLM's vision
+    tower at its own learning rate, or frozen); None = every parameter at `lr`.
     """
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(params or model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - (1.0 - final_lr_frac) * s / max(steps, 1))
     model.train()
     losses: list[float] = []

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from components.batch import Batch
 from components.errors import CheckpointError
-from components.models.loading import load_model, load_tokenizer, save_pretrained
+from components.models.loading import load_image_encoder, load_model, load_tokenizer, save_pretrained
 from components.outputs import MODEL
 from components.plan import PolicySettings, ReferenceSettings
 from components.tracking.checkpoints import load_optimizer, save_optimizer
@@ -23,7 +23,7 @@ from components.training import distributed as D
 from components.training.actor import PolicyTrainer, UpdateSettings
 from components.training.critic import CriticTrainer, ValueModel
 from components.training.logprobs import batch_logprobs
-from components.training.optim import make_optimizer, make_scheduler
+from components.training.optim import freeze_vision, make_optimizer, make_scheduler, param_groups
 from components.training.seeding import seed_everything
 
 MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -57,6 +57,19 @@ def parallel_settings(s: PolicySettings, world_size: int, ocfg=None) -> D.Parall
 def update_for(s: PolicySettings, world_size: int) -> UpdateSettings:
     """The update settings on `world_size` workers: with FSDP's parameter dtype there is no autocast."""
     return replace(s.update, autocast_dtype=None) if sharded_precision(s, world_size) else s.update
+
+
+def vision_metrics(batch: Batch, image_token: int, frozen: bool) -> dict[str, float]:
+    """A VLM's image share of the batch: image tokens per sample, their fraction of the tokens the forward
+    sees (prompt + response), and whether the vision tower is frozen."""
+    t = batch.tensors
+    image = ((t["prompts"] == image_token) & t["prompt_mask"].bool()).sum(1).float()
+    total = t["prompt_mask"].sum(1) + t["response_mask"].sum(1)
+    return {
+        "vision/image_tokens_per_sample": image.mean().item(),
+        "vision/image_token_frac": (image.sum() / total.sum().clamp(min=1)).item(),
+        "vision/frozen": float(frozen),
+    }
 
 
 def rng_state() -> dict:
@@ -106,12 +119,15 @@ class PolicyWorker:
         self.rank, self.world_size, self.comm = spec.rank, spec.world_size, D.make_comm()
         m = s.model
         self.tokenizer = load_tokenizer(m.path)
-        self.model = self._wrap(load_model(m.path, m.dtype, m.attention_implementation))
+        self.images = load_image_encoder(m.path, self.tokenizer)  # None for a text-only policy
+        policy = load_model(m.path, m.dtype, m.attention_implementation)
+        freeze_vision(policy, m)
+        self.model = self._wrap(policy)
         ref = None
         if s.reference:
             ref = load_model(m.path, m.dtype, m.attention_implementation).eval().requires_grad_(False)
         settings = update_for(s, spec.world_size)
-        opt, sched = self._optimizer(self.model, s.optimizer)
+        opt, sched = self._optimizer(self.model, s.optimizer, s.model)
         self.trainer = PolicyTrainer(
             self.model, ref, opt, sched, settings, self.comm, make_scaler(s, self.model)
         )
@@ -122,12 +138,13 @@ class PolicyWorker:
         return os.getpid()
 
     @staticmethod
-    def _optimizer(model: torch.nn.Module, ocfg):
-        """The optimizer and schedule of `model`; a DeepSpeed engine's is ours wrapped (scheduled here)."""
+    def _optimizer(model: torch.nn.Module, ocfg, mcfg=None):
+        """The optimizer and schedule of `model` (a VLM's vision tower frozen or at its own learning rate, by
+        `mcfg`, the model config); a DeepSpeed engine's is ours wrapped (scheduled here)."""
         if hasattr(model, "set_gradient_accumulation_boundary"):
             base = getattr(model.optimizer, "optimizer", model.optimizer)
             return model.optimizer, make_scheduler(base, ocfg)
-        return make_optimizer(model.parameters(), ocfg)
+        return make_optimizer(param_groups(model, ocfg.lr, mcfg), ocfg)
 
     def _wrap(self, model: torch.nn.Module, ocfg=None) -> torch.nn.Module:
         """Recompute activations if asked, then the strategy's wrapper when there are several workers
@@ -188,6 +205,8 @@ class PolicyWorker:
             time.perf_counter() - start
         )  # in the worker (log-probs too)
         self.version += 1
+        if self.images is not None:
+            metrics |= vision_metrics(batch, self.images.token_id, self.s.model.freeze_vision_model)
         if self.compression is not None:
             metrics["perf/grad_compression"] = COMPRESSION_CODES[self.compression.name]
             metrics["perf/grad_compression_rank"] = self.compression.rank
@@ -204,7 +223,10 @@ class PolicyWorker:
         of `kind` (only a directory of that kind is ever replaced)."""
         state = D.full_model_state(self.model)
         if self.rank == 0:
-            save_pretrained(D.unwrap(self.model), self.tokenizer, out, state_dict=state, kind=kind)
+            processor = self.images.processor if self.images is not None else None
+            save_pretrained(
+                D.unwrap(self.model), self.tokenizer, out, state_dict=state, kind=kind, processor=processor
+            )
         return out
 
     def _trained_parts(self) -> list[tuple[str, PolicyTrainer | CriticTrainer, str]]:

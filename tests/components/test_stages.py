@@ -12,14 +12,15 @@ from components.stages import STAGES
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def dvc_params(stage: str) -> list[str]:
-    spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]
+def dvc_params(stage: str, file: str = "dvc.yaml") -> list[str]:
+    spec = yaml.safe_load((ROOT / file).read_text())["stages"][stage]
     return [key for entry in spec.get("params", []) for keys in entry.values() for key in keys]
 
 
+@pytest.mark.parametrize("file", ["dvc.yaml", "vlm/dvc.yaml"])
 @pytest.mark.parametrize("stage", list(STAGES))
-def test_dvc_params_are_exactly_the_declared_keys(stage):
-    assert sorted(dvc_params(stage)) == sorted(STAGES[stage].reads)
+def test_dvc_params_are_exactly_the_declared_keys(stage, file):
+    assert sorted(dvc_params(stage, file)) == sorted(STAGES[stage].reads)
 
 
 def test_every_declared_key_exists_in_the_config_and_the_params_file():
