@@ -11,7 +11,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export RAY_DEDUP_LOGS := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run test test-fast lint format install clean
+.PHONY: run run-vlm test test-fast lint format install clean
 
 $(STAMP): pyproject.toml
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
@@ -26,9 +26,15 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The default pipeline end to end: dvc repro runs prepare -> clean -> sft -> train -> evaluate (Prefect flows).
+# dvc.yaml is named: `dvc repro` alone runs every pipeline of the project, vlm/dvc.yaml's too.
 run: $(STAMP)
-	$(VENV)/bin/dvc repro
-	$(VENV)/bin/dvc metrics show
+	$(VENV)/bin/dvc repro dvc.yaml
+	$(VENV)/bin/dvc metrics show metrics/eval.json
+
+# The multimodal pipeline (docs/multimodal.md): a tiny VLM, SFT, then GRPO on counting shapes in images.
+run-vlm: $(STAMP)
+	$(VENV)/bin/dvc repro vlm/dvc.yaml
+	$(VENV)/bin/dvc metrics show metrics/vlm_eval.json
 
 test: $(STAMP)
 	$(PY) -m ruff format --check .
@@ -47,4 +53,5 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
 clean:
-	rm -rf data/raw data/clean data/quarantine checkpoints mlruns.db mlartifacts dvc.lock .prefect-results
+	rm -rf data/raw data/clean data/quarantine data/multimodal checkpoints mlruns.db mlartifacts dvc.lock \
+	  vlm/dvc.lock .prefect-results

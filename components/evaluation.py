@@ -44,8 +44,10 @@ def evaluate(
     seed: int,
     temperature: float = 1.0,
     batch_size: int = 256,
+    on_greedy: Callable[[list[dict], list[str], list[float]], None] | None = None,
 ) -> dict[str, float]:
-    """Greedy accuracy (`val/<source>/acc`, `val/acc`) and sampled mean@k / pass@k on `rows`."""
+    """Greedy accuracy (`val/<source>/acc`, `val/acc`) and sampled mean@k / pass@k on `rows`. `on_greedy`
+    sees each chunk of rows with its greedy answers and their scores (the samples a run logs)."""
     results: dict[str, float] = {}
     for mode, params in (
         ("greedy", SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)),
@@ -57,7 +59,10 @@ def evaluate(
         for start in range(0, len(rows), batch_size):
             batch = generate(rows[start : start + batch_size], params, seed + start)
             nt = batch.non_tensors
-            s, _, _ = score(decode(batch), nt["ground_truth"], nt["data_source"], nt["extra_info"])
+            texts = decode(batch)
+            s, _, _ = score(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"])
+            if mode == "greedy" and on_greedy is not None:
+                on_greedy(rows[start : start + batch_size], texts, s)
             scores += s
             sources += nt["data_source"]
             calls += batch.tensors["tool_calls"].tolist() if "tool_calls" in batch.tensors else []

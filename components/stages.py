@@ -26,6 +26,17 @@ class StageKeys:
 
 PROMPT_KEYS = ("data.apply_chat_template", "data.allow_unk", "data.max_prompt_len")
 
+# what decides how many tokens an image of a prompt takes (a VLM's; multimodal SFT composes it from these)
+IMAGE_TOKEN_KEYS = (
+    "actor.model.type",
+    "actor.model.text_model",
+    "actor.model.vision_model",
+    "actor.model.fusion_method",
+    "actor.model.vision_token_ratio",
+    "actor.model.max_seq_len",
+    "data.image_processor",
+)
+
 STAGES: dict[str, StageKeys] = {
     "prepare": StageKeys(
         (
@@ -54,14 +65,7 @@ STAGES: dict[str, StageKeys] = {
             "sft.output_dir",
             "actor.model.path",
             "multi_turn.enable",
-            # a VLM's prompts: how many tokens an image takes
-            "actor.model.type",
-            "actor.model.text_model",
-            "actor.model.vision_model",
-            "actor.model.fusion_method",
-            "actor.model.vision_token_ratio",
-            "actor.model.max_seq_len",
-            "data.image_processor",
+            *IMAGE_TOKEN_KEYS,
         )
     ),
     "sft": StageKeys(
@@ -71,13 +75,7 @@ STAGES: dict[str, StageKeys] = {
             "data.task",
             "multi_turn.enable",
             "trainer.seed",
-            "actor.model.type",
-            "actor.model.text_model",
-            "actor.model.vision_model",
-            "actor.model.fusion_method",
-            "actor.model.vision_token_ratio",
-            "actor.model.max_seq_len",
-            "data.image_processor",
+            *IMAGE_TOKEN_KEYS,
             "actor.model.freeze_vision_model",
             "actor.model.vision_lr_ratio",
         )

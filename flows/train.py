@@ -49,6 +49,7 @@ from tasks.rl import (
 from tasks.tracking import (
     checkpoint_metrics,
     finalize,
+    log_samples,
     plan_resume,
     restore_checkpoint,
     run_fingerprint,
@@ -147,9 +148,14 @@ def iteration(run: Run) -> dict[str, float]:
     m_actor, run.version = update_policy(workers, batch)  # its own timing_s/update_actor, _weights
     metrics = {**m_reward, **m_adv, **m_critic, **m_actor}
     if it % plan.test_interval == 0 or it == plan.iterations:
+        samples: list[dict] = []
         metrics.update(
-            timer("testing", evaluate_policy, workers, run.eval_rows, plan, run.tokenizer, run.scorers)
+            timer(
+                "testing", evaluate_policy, workers, run.eval_rows, plan, run.tokenizer, run.scorers, samples
+            )
         )
+        if samples:  # a VLM's: a few held-out images with its answers
+            log_samples(run.tracker, samples, it)
     metrics["timing_s/step"] = time.perf_counter() - timer.start
     metrics.update(timer.seconds)
     # queued (MLflow stores them in the background; the checkpoint waits for them), before the checkpoint: a

@@ -186,10 +186,16 @@ def sync_weights(workers: Workers) -> int:
 
 @stage(name="testing")
 def evaluate_policy(
-    workers: Workers, rows: list[dict], plan: RunPlan, tokenizer, scorers: dict
+    workers: Workers,
+    rows: list[dict],
+    plan: RunPlan,
+    tokenizer,
+    scorers: dict,
+    samples: list[dict] | None = None,
 ) -> dict[str, float]:
     """Greedy accuracy and mean@k / pass@k on the held-out rows with the current weights: sampled by the
-    rollout group, decoded here, scored on the training rewards' path (the RewardScorer actor)."""
+    rollout group, decoded here, scored on the training rewards' path (the RewardScorer actor). `samples`
+    receives the first SAMPLES rows with images, with their greedy answers and scores (logged to MLflow)."""
     e = plan.evaluation
     rows = rows[: e.size] if e.size else rows
     version = workers.policy.state()["version"]
@@ -207,4 +213,14 @@ def evaluate_policy(
         e.max_new_tokens,
         derive_seed(e.seed, "eval"),
         e.temperature,
+        on_greedy=None if samples is None else lambda chunk, texts, s: keep_samples(samples, chunk, texts, s),
     )
+
+
+SAMPLES = 4  # held-out images logged with the model's answers at each evaluation
+
+
+def keep_samples(samples: list[dict], rows: list[dict], texts: list[str], scores: list[float]) -> None:
+    for row, text, score in zip(rows, texts, scores):
+        if len(samples) < SAMPLES and row.get("images"):
+            samples.append({"row": row, "answer": text, "score": score})

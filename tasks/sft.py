@@ -12,9 +12,10 @@ from components.data.clean import RowRules, validate_file
 from components.data.images import ImageEncoder, absolute_images
 from components.data.prompts import PromptSettings
 from components.errors import DataError
-from components.models import build_tiny_model, load_model, save_pretrained
+from components.models import load_model, save_pretrained
 from components.models.loading import load_image_encoder
 from components.models.multimodal import compose_policy
+from components.models.tiny import tiny_model_for
 from components.outputs import SFT_MODEL, check_output
 from components.progress import progress_bar
 from components.stages import STAGES
@@ -78,15 +79,7 @@ def run_sft(cfg: Config) -> str:
     examples = encode_examples(tok, prompts, answers, PromptSettings.from_config(cfg), images, rows)
     check_examples(examples, answers, cfg.actor.model.max_seq_len, path)
     if model is None:
-        model = build_tiny_model(
-            tok,
-            hidden_size=s.hidden_size,
-            num_layers=s.num_layers,
-            num_heads=s.num_heads,
-            intermediate_size=s.intermediate_size,
-            max_positions=cfg.actor.model.max_seq_len,
-            seed=cfg.trainer.seed,
-        )
+        model = tiny_model_for(s, cfg.actor.model.max_seq_len, tok, cfg.trainer.seed)
     freeze_vision(model, cfg.actor.model)
     with progress_bar("sft", s.steps, cfg.trainer.progress) as advance:
         losses = train_sft(

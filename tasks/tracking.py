@@ -130,6 +130,13 @@ def checkpoint_metrics(state: dict) -> dict[str, float]:
     return {"timing_s/save_checkpoint": float(state.get("save_seconds", 0.0))}
 
 
+@stage(name="log-samples")
+def log_samples(tracker: Tracker, samples: list[dict], iteration: int) -> str:
+    """A few held-out images with the model's greedy answers, as MLflow artifacts of the run:
+    samples/iter_NNNNNN/<k>.png and answers.json (a table the MLflow UI shows beside the images)."""
+    return tracker.log_samples(samples, iteration)
+
+
 @stage(name="restore-checkpoint")
 def restore_checkpoint(workers: Workers, ckpt: str) -> int:
     """Load a verified checkpoint into the policy worker; returns the weights version it holds."""

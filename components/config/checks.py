@@ -196,10 +196,5 @@ def check_combinations(cfg: Config) -> None:
     from components.models.multimodal import vision_problems
 
     problems += vision_problems(cfg)
-    if cfg.actor.model.type == "multimodal" and algo is not None and algo.needs_critic:
-        problems.append(
-            f"algorithm.name={cfg.algorithm.name} trains a critic, which takes no images in this version; "
-            "use grpo, rloo, reinforce_plus_plus, dr_grpo, dapo, remax or gspo with actor.model.type=multimodal."
-        )
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

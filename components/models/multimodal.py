@@ -87,7 +87,7 @@ def compose_policy(cfg, tokenizer, seed: int):
     from transformers import AutoModel
 
     from components.models.loading import load_model
-    from components.models.tiny import build_tiny_model
+    from components.models.tiny import tiny_model_for
     from components.models.vlm import IMAGE_TOKEN, compose, tiny_vision_encoder
 
     m, s, ip = cfg.actor.model, cfg.sft, cfg.data.image_processor
@@ -96,15 +96,7 @@ def compose_policy(cfg, tokenizer, seed: int):
         if text.get_input_embeddings().num_embeddings < len(tokenizer):
             text.resize_token_embeddings(len(tokenizer))
     else:
-        text = build_tiny_model(
-            tokenizer,
-            hidden_size=s.hidden_size,
-            num_layers=s.num_layers,
-            num_heads=s.num_heads,
-            intermediate_size=s.intermediate_size,
-            max_positions=m.max_seq_len,
-            seed=seed,
-        )
+        text = tiny_model_for(s, m.max_seq_len, tokenizer, seed)
     if m.vision_model:
         vision = AutoModel.from_pretrained(m.vision_model, local_files_only=True, use_safetensors=True)
     else:

@@ -40,6 +40,22 @@ def build_char_tokenizer(tool_tokens: bool = False) -> PreTrainedTokenizerFast:
     return fast
 
 
+def tiny_model_for(
+    sft, max_positions: int, tokenizer: PreTrainedTokenizerFast, seed: int
+) -> Qwen2ForCausalLM:
+    """build_tiny_model sized by the `sft` config section (hidden_size, num_layers, num_heads,
+    intermediate_size)."""
+    return build_tiny_model(
+        tokenizer,
+        hidden_size=sft.hidden_size,
+        num_layers=sft.num_layers,
+        num_heads=sft.num_heads,
+        intermediate_size=sft.intermediate_size,
+        max_positions=max_positions,
+        seed=seed,
+    )
+
+
 def build_tiny_model(
     tokenizer: PreTrainedTokenizerFast,
     *,

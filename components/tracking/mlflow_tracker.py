@@ -159,6 +159,27 @@ class Tracker:
             metrics=[Metric(metric_name(k), float(v), now, 0, model_id=model_id) for k, v in metrics.items()],
         )
 
+    def log_samples(self, samples: list[dict], iteration: int) -> str:
+        """Each sample's image (samples/iter_NNNNNN/<k>.png) and one table of prompts, answers, ground truths
+        and scores (answers.json); returns the artifact folder. `samples`: {row, answer, score}."""
+        from components.data.images import open_image
+        from components.data.prompts import prompt_text
+
+        folder = f"samples/iter_{iteration:06d}"
+        table: dict[str, list] = {"image": [], "prompt": [], "answer": [], "ground_truth": [], "score": []}
+        for k, s in enumerate(samples):
+            row = s["row"]
+            self.client.log_image(
+                self.run_id, open_image(row["images"][0]), artifact_file=f"{folder}/{k}.png"
+            )
+            table["image"].append(f"{k}.png")
+            table["prompt"].append(prompt_text(row["prompt"]))
+            table["answer"].append(s["answer"])
+            table["ground_truth"].append(row["reward_model"]["ground_truth"])
+            table["score"].append(float(s["score"]))
+        self.client.log_table(self.run_id, data=table, artifact_file=f"{folder}/answers.json")
+        return folder
+
     def log_artifacts(self, local_dir: str | Path, artifact_path: str) -> None:
         self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)
 

@@ -8,6 +8,7 @@ from transformers import PreTrainedModel
 
 from components.algorithms.losses import AggParams, value_loss
 from components.batch import Batch
+from components.models.vlm import image_token_id
 from components.training.distributed import Comm
 from components.training.logprobs import response_attention, sequence_inputs
 from components.training.loop import LoopSettings, minibatch_update, row_chunks
@@ -15,22 +16,33 @@ from components.training.loop import LoopSettings, minibatch_update, row_chunks
 
 class ValueModel(torch.nn.Module):
     """V(prefix) for every response position: head(h_{P-1+t}) is the value of the state before response
-    token t, read off the same positions that predict the tokens (verl's values[:, -R-1:-1])."""
+    token t, read off the same positions that predict the tokens (verl's values[:, -R-1:-1]).
+
+    A VLM keeps its whole module (its fusion puts the image in the sequence) and the head reads the last
+    hidden states it returns; a text model keeps only its transformer, without the LM head."""
 
     def __init__(self, causal_lm: PreTrainedModel):
         super().__init__()
-        self.backbone = causal_lm.base_model  # the transformer without its LM head
-        self.head = torch.nn.Linear(causal_lm.config.hidden_size, 1)
+        self.vision = image_token_id(causal_lm) is not None
+        self.backbone = causal_lm if self.vision else causal_lm.base_model
+        config = getattr(causal_lm.config, "text_config", None) or causal_lm.config
+        self.head = torch.nn.Linear(config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)  # V = 0 at the start: returns are learnt from the first update
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, prompts, prompt_mask, responses, response_mask) -> torch.Tensor:
-        """(N, P) left-padded prompts, (N, R) responses -> values (N, R) float32, 0 on padding."""
+    def forward(self, prompts, prompt_mask, responses, response_mask, pixel_values=None) -> torch.Tensor:
+        """(N, P) left-padded prompts, (N, R) responses (and a VLM's images (N, C, H, W)) -> values (N, R)
+        float32, 0 on padding."""
         ids, mask, positions = sequence_inputs(prompts, prompt_mask, responses, response_mask)
         P, R = prompts.shape[1], responses.shape[1]
-        hidden = self.backbone(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
-        ).last_hidden_state  # (N, P+R, H)
+        inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": False}
+        if self.vision:
+            out = self.backbone(
+                **inputs, pixel_values=pixel_values, output_hidden_states=True, logits_to_keep=1
+            )
+            hidden = out.hidden_states[-1]  # (N, P+R, H), after the final norm
+        else:
+            hidden = self.backbone(**inputs).last_hidden_state  # (N, P+R, H)
         values = self.head(hidden[:, P - 1 : P + R - 1, :]).squeeze(-1).float()  # (N, R)
         return values * response_mask
 
@@ -54,7 +66,9 @@ class CriticTrainer:
 
     def _forward(self, b: Batch) -> torch.Tensor:
         t = b.tensors
-        return self.model(t["prompts"], t["prompt_mask"], t["responses"], response_attention(t))
+        return self.model(
+            t["prompts"], t["prompt_mask"], t["responses"], response_attention(t), t.get("pixel_values")
+        )
 
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:

@@ -262,7 +262,9 @@ class PolicyWorker:
                 save_optimizer(out, opt_file, opt_state)
             state[name] = {"steps": part.steps, "scheduler": part.scheduler.state_dict()}
         if critic is not None:
-            save_file({k: v.detach().contiguous() for k, v in critic.items()}, out / "critic.safetensors")
+            # cloned: a VLM critic keeps its LM's tied embedding and head, which safetensors will not store as one
+            tensors = {k: v.detach().clone().contiguous() for k, v in critic.items()}
+            save_file(tensors, out / "critic.safetensors")
         save_file(tensors, out / "worker.safetensors")
         (out / "worker.json").write_text(json.dumps(state, sort_keys=True))
 

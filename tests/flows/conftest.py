@@ -64,7 +64,9 @@ def small_overrides(root, iterations=4) -> list[str]:
 
 
 @contextmanager
-def sft_ready(root, iterations: int = 4, extra: tuple[str, ...] = ()):
+def sft_ready(
+    root, iterations: int = 4, extra: tuple[str, ...] = (), config: str = "configs/arith_grpo.yaml"
+):
     """MLflow in `root`, the data prepared and cleaned and the SFT model trained there; yields the overrides."""
     from flows.data import data_flow
     from flows.sft import sft_flow
@@ -72,8 +74,8 @@ def sft_ready(root, iterations: int = 4, extra: tuple[str, ...] = ()):
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlruns.db"
     ov = small_overrides(root, iterations) + list(extra)
     try:
-        data_flow("configs/arith_grpo.yaml", ov)
-        sft_flow("configs/arith_grpo.yaml", ov)
+        data_flow(config, ov)
+        sft_flow(config, ov)
         yield ov
     finally:
         os.environ.pop("MLFLOW_TRACKING_URI")

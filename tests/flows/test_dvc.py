@@ -1,4 +1,5 @@
-"""DVC in a temp git repo: repro runs every stage, a second repro does nothing, a param change re-runs
+"""DVC in a temp git repo (the default pipeline, dvc.yaml, named as the target: `dvc repro` alone would run
+vlm/dvc.yaml's multimodal pipeline too): repro runs every stage, a second repro does nothing, a param change re-runs
 only what reads it, `dvc metrics show` prints the accuracies, and experiments compare without touching the
 workspace's run. The stages run from a shell without the venv activated (scripts/py finds it)."""
 
@@ -86,15 +87,15 @@ def snapshot(root: Path) -> dict[str, str]:
 
 def test_repro_all_then_nothing_then_only_dependents(repo):
     repo, env = repo
-    first = sh([DVC, "repro"], repo, env)
+    first = sh([DVC, "repro", "dvc.yaml"], repo, env)
     for stage in ("prepare", "clean", "sft", "train", "evaluate"):
         assert f"Running stage '{stage}'" in first
     metrics = sh([DVC, "metrics", "show"], repo, env)
     assert "sft.acc" in metrics and "final.acc" in metrics
 
-    second = sh([DVC, "repro"], repo, env)
+    second = sh([DVC, "repro", "dvc.yaml"], repo, env)
     assert "Running stage" not in second
-    assert "up to date" in sh([DVC, "status"], repo, env)
+    assert "up to date" in sh([DVC, "status", "dvc.yaml"], repo, env)
     commit(repo, env, "the pipeline's results")  # dvc.lock and metrics/eval.json, as a user commits them
     # a changed training parameter re-runs only train and evaluate: test_repro_killed_mid_training_... below
 
@@ -115,7 +116,7 @@ def test_repro_killed_mid_training_resumes_and_ends_clean(repo):
     runs = repo / "checkpoints" / "grpo" / "runs"
     main_run = snapshot(runs)  # the first configuration's run: never touched by another one
     proc = subprocess.Popen(
-        [DVC, "repro"],
+        [DVC, "repro", "dvc.yaml"],
         cwd=repo,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -135,14 +136,14 @@ def test_repro_killed_mid_training_resumes_and_ends_clean(repo):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(60)
     assert fresh, "no checkpoint appeared before the deadline"
-    out = sh([DVC, "repro"], repo, env)
+    out = sh([DVC, "repro", "dvc.yaml"], repo, env)
     assert "Running stage 'train'" in out and "Running stage 'evaluate'" in out
     for stage in ("prepare", "clean", "sft"):
         assert f"Running stage '{stage}'" not in out
     assert fresh[0].is_dir()  # what the killed run saved survived the second repro
     assert not list(fresh[0].parent.glob(".tmp_*"))
     assert {k: v for k, v in snapshot(runs).items() if k in main_run} == main_run
-    status = sh([DVC, "status"], repo, env)
+    status = sh([DVC, "status", "dvc.yaml"], repo, env)
     assert "up to date" in status, status
     commit(repo, env, "clip 0.25")
 
@@ -167,6 +168,7 @@ def test_experiments_compare_and_leave_the_workspace_as_it_was(repo):
             f"{key}algorithm.kl_loss_coef=0.04",
             "-S",
             f"{key}trainer.iterations=5",
+            "dvc.yaml",
         ],
         repo,
         env,
@@ -183,7 +185,7 @@ def test_experiments_compare_and_leave_the_workspace_as_it_was(repo):
     assert {it for it, _ in accs} >= {5, 4}, accs  # the experiment (5 iterations) and the workspace's run (4)
     assert "final.acc" in sh([DVC, "metrics", "diff", "--all", "HEAD~1"], repo, env)  # HEAD's metrics load
     res = subprocess.run(
-        [DVC, "exp", "run", "--temp", "-S", f"{key}trainer.iterations=1"],
+        [DVC, "exp", "run", "--temp", "-S", f"{key}trainer.iterations=1", "dvc.yaml"],
         cwd=repo,
         env=env,
         capture_output=True,
@@ -201,7 +203,7 @@ def test_an_edited_reward_function_reruns_training(repo):
     (repo / "rewards" / "example.py").write_text(
         (repo / "rewards" / "example.py").read_text() + "\n# edited\n"
     )
-    status = sh([DVC, "status"], repo, env)
+    status = sh([DVC, "status", "dvc.yaml"], repo, env)
     assert "train:" in status and "evaluate:" in status and "rewards" in status
     git(repo, env, "checkout", "--", "rewards/example.py")
 
