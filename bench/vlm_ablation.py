@@ -29,7 +29,7 @@ def blanked(eval_path: str, work: Path, size: int) -> str:
         black = Image.new("RGB", (size, size))
         black.putpixel((i % size, (i // size) % size), (1, 1, 1))
         black.save(work / f"black_{i}.png")
-        r["images"] = [str(work / f"black_{i}.png") for _ in r["images"]]
+        r["images"] = [{"bytes": None, "path": str(work / f"black_{i}.png")} for _ in r["images"]]
     return str(write_parquet(rows, work / "blank.parquet", row_schema("text", images=True)))
 
 

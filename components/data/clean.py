@@ -23,9 +23,15 @@ import pandas as pd
 import pandera.pandas as pa
 
 from components.data.formats import row_schema
+from components.data.images import IMAGE_TOKEN, image_problem, image_ref
 from components.data.io import read_rows, to_plain, write_parquet
-from components.data.prompts import MESSAGES, PromptSettings, check_fits, encode_prompt, prompt_form, prompt_text
-from components.data.images import IMAGE_TOKEN, image_problem
+from components.data.prompts import (
+    PromptSettings,
+    check_fits,
+    encode_prompt,
+    prompt_form,
+    prompt_text,
+)
 from components.errors import ConfigError, DataError
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
@@ -44,14 +50,16 @@ class RowRules:
     image_tokens: int | None = None
 
     @classmethod
-    def from_config(cls, cfg, image_tokens: int | None = None) -> "RowRules":
+    def from_config(cls, cfg, image_tokens: int | None = None) -> RowRules:
         d = cfg.data
         return cls(d.max_prompt_len, d.allow_unk, PromptSettings.from_config(cfg), image_tokens)
 
 
 @dataclass(frozen=True)
 class Problem:
-    reason: str  # the kind: missing_column, missing, wrong_type, empty, prompt_form, unk_tokens, too_long, ...
+    reason: (
+        str  # the kind: missing_column, missing, wrong_type, empty, prompt_form, unk_tokens, too_long, ...
+    )
     column: str
     detail: str
 
@@ -81,19 +89,43 @@ def _utf8(v) -> bool:
 # The flat view of a row the schema checks; each check's name is the quarantine reason.
 FLAT_SCHEMA = pa.DataFrameSchema(
     {
-        "data_source": pa.Column(None, [pa.Check(_is_str, element_wise=True, name="wrong_type"),
-                                        pa.Check(_non_blank, element_wise=True, name="empty")], nullable=False),
-        "prompt": pa.Column(None, [pa.Check(lambda v: prompt_form(v) is not None or v == [], element_wise=True,
-                                            name="wrong_type"),
-                                   pa.Check(_prompt_not_empty, element_wise=True, name="empty"),
-                                   pa.Check(lambda v: prompt_form(v) is None or _utf8(v), element_wise=True,
-                                            name="invalid_utf8")], nullable=False),
-        "ground_truth": pa.Column(None, [pa.Check(_is_str, element_wise=True, name="wrong_type"),
-                                         pa.Check(_non_blank, element_wise=True, name="empty")], nullable=False),
+        "data_source": pa.Column(
+            None,
+            [
+                pa.Check(_is_str, element_wise=True, name="wrong_type"),
+                pa.Check(_non_blank, element_wise=True, name="empty"),
+            ],
+            nullable=False,
+        ),
+        "prompt": pa.Column(
+            None,
+            [
+                pa.Check(
+                    lambda v: prompt_form(v) is not None or v == [], element_wise=True, name="wrong_type"
+                ),
+                pa.Check(_prompt_not_empty, element_wise=True, name="empty"),
+                pa.Check(
+                    lambda v: prompt_form(v) is None or _utf8(v), element_wise=True, name="invalid_utf8"
+                ),
+            ],
+            nullable=False,
+        ),
+        "ground_truth": pa.Column(
+            None,
+            [
+                pa.Check(_is_str, element_wise=True, name="wrong_type"),
+                pa.Check(_non_blank, element_wise=True, name="empty"),
+            ],
+            nullable=False,
+        ),
     },
     coerce=False,
 )
-SCHEMA_COLUMNS = {"data_source": "data_source", "prompt": "prompt", "ground_truth": "reward_model.ground_truth"}
+SCHEMA_COLUMNS = {
+    "data_source": "data_source",
+    "prompt": "prompt",
+    "ground_truth": "reward_model.ground_truth",
+}
 
 
 def normalise_truth(value):
@@ -116,9 +148,14 @@ def _flat(records: list[dict]) -> pd.DataFrame:
         rm = rec.get("reward_model")
         return normalise_truth(rm.get("ground_truth")) if isinstance(rm, dict) else None
 
-    return pd.DataFrame({"data_source": [r.get("data_source") for r in records],
-                         "prompt": [r.get("prompt") for r in records],
-                         "ground_truth": [truth(r) for r in records]}, dtype=object)
+    return pd.DataFrame(
+        {
+            "data_source": [r.get("data_source") for r in records],
+            "prompt": [r.get("prompt") for r in records],
+            "ground_truth": [truth(r) for r in records],
+        },
+        dtype=object,
+    )
 
 
 def _schema_problems(flat: pd.DataFrame) -> dict[int, Problem]:
@@ -136,9 +173,16 @@ def _schema_problems(flat: pd.DataFrame) -> dict[int, Problem]:
             if case.check == "not_nullable":
                 problems[i] = Problem("missing", column, f"{column} is missing")
             elif case.check == "wrong_type":
-                what = "a list of chat messages {role, content} or a string" if case.column == "prompt" else "a string"
-                problems[i] = Problem("wrong_type", column, f"{column} is {type(value).__name__} {str(value)[:40]!r}; "
-                                                            f"it must be {what}")
+                what = (
+                    "a list of chat messages {role, content} or a string"
+                    if case.column == "prompt"
+                    else "a string"
+                )
+                problems[i] = Problem(
+                    "wrong_type",
+                    column,
+                    f"{column} is {type(value).__name__} {str(value)[:40]!r}; it must be {what}",
+                )
             else:
                 problems[i] = Problem(str(case.check), column, f"{column} is {case.check.replace('_', ' ')}")
         return problems
@@ -163,21 +207,28 @@ def row_key(rec: dict) -> tuple:
 def _normalise(rec: dict) -> dict:
     """A kept row in the exact row format."""
     extra = rec.get("extra_info") if isinstance(rec.get("extra_info"), dict) else {}
-    prompt = rec["prompt"] if isinstance(rec["prompt"], str) else [
-        {"role": m["role"], "content": m["content"]} for m in rec["prompt"]]
+    prompt = (
+        rec["prompt"]
+        if isinstance(rec["prompt"], str)
+        else [{"role": m["role"], "content": m["content"]} for m in rec["prompt"]]
+    )
     style = rec["reward_model"].get("style")
-    images = {"images": list(rec["images"])} if rec.get("images") is not None else {}
+    images = {"images": [image_ref(e) for e in rec["images"]]} if rec.get("images") is not None else {}
     return {
         **images,
         "data_source": rec["data_source"],
         "prompt": prompt,
         "ability": rec.get("ability") if isinstance(rec.get("ability"), str) else "",
-        "reward_model": {"style": style if isinstance(style, str) else "rule",
-                         "ground_truth": normalise_truth(rec["reward_model"]["ground_truth"])},
-        "extra_info": {"split": extra.get("split") if isinstance(extra.get("split"), str) else "",
-                       "index": int(extra["index"]) if isinstance(extra.get("index"), int) else -1,
-                       "answer": extra.get("answer") if isinstance(extra.get("answer"), str) else "",
-                       "question": extra.get("question") if isinstance(extra.get("question"), str) else ""},
+        "reward_model": {
+            "style": style if isinstance(style, str) else "rule",
+            "ground_truth": normalise_truth(rec["reward_model"]["ground_truth"]),
+        },
+        "extra_info": {
+            "split": extra.get("split") if isinstance(extra.get("split"), str) else "",
+            "index": int(extra["index"]) if isinstance(extra.get("index"), int) else -1,
+            "answer": extra.get("answer") if isinstance(extra.get("answer"), str) else "",
+            "question": extra.get("question") if isinstance(extra.get("question"), str) else "",
+        },
     }
 
 
@@ -207,14 +258,26 @@ class RowChecker:
         length = len(ids) + images * (self.rules.image_tokens or 1) - images
         unk = self.tokenizer.unk_token_id
         if unk is not None and unk in ids and not self.rules.allow_unk:
-            bad = sorted({c for c in prompt_text(prompt) if self.tokenizer.unk_token_id in
-                          self.tokenizer(c, add_special_tokens=False)["input_ids"]})
-            return Problem("unk_tokens", "prompt", f"characters outside the tokenizer's vocabulary: {bad[:8]!r} "
-                                                   "(data.allow_unk=true keeps such rows)")
+            bad = sorted(
+                {
+                    c
+                    for c in prompt_text(prompt)
+                    if self.tokenizer.unk_token_id in self.tokenizer(c, add_special_tokens=False)["input_ids"]
+                }
+            )
+            return Problem(
+                "unk_tokens",
+                "prompt",
+                f"characters outside the tokenizer's vocabulary: {bad[:8]!r} "
+                "(data.allow_unk=true keeps such rows)",
+            )
         if length > self.rules.max_prompt_len:
             with_images = f" ({images} image(s) of {self.rules.image_tokens} tokens)" if images else ""
-            return Problem("too_long", "prompt", f"prompt has {length} tokens{with_images} > data.max_prompt_len="
-                                                 f"{self.rules.max_prompt_len}")
+            return Problem(
+                "too_long",
+                "prompt",
+                f"prompt has {length} tokens{with_images} > data.max_prompt_len={self.rules.max_prompt_len}",
+            )
         return None
 
     def check(self, df: pd.DataFrame, source_file: str) -> tuple[list[dict], list[dict]]:
@@ -222,8 +285,14 @@ class RowChecker:
         records = [to_plain(r) for r in df.reset_index(drop=True).to_dict("records")]
         missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
         if missing:
-            problems = {i: Problem("missing_column", missing[0], f"the file has no `{missing[0]}` column "
-                                   f"(required: {', '.join(REQUIRED_COLUMNS)})") for i in range(len(records))}
+            problems = {
+                i: Problem(
+                    "missing_column",
+                    missing[0],
+                    f"the file has no `{missing[0]}` column (required: {', '.join(REQUIRED_COLUMNS)})",
+                )
+                for i in range(len(records))
+            }
         else:
             problems = _schema_problems(_flat(records))
         form, seen = None, {}
@@ -242,8 +311,11 @@ class RowChecker:
                     problems[i] = Problem(reason, "images", detail)
                     continue
             if this != form:
-                problems[i] = Problem("prompt_form", "prompt", f"a {this} prompt in a file of {form} prompts; one "
-                                                                "file holds one form")
+                problems[i] = Problem(
+                    "prompt_form",
+                    "prompt",
+                    f"a {this} prompt in a file of {form} prompts; one file holds one form",
+                )
                 continue
             problem = self._token_problem(rec["prompt"])
             if problem is not None:
@@ -253,22 +325,36 @@ class RowChecker:
             if key in seen:
                 problems[i] = Problem("duplicate", "prompt", f"duplicate of row {seen[key]}")
             elif key in self.train_keys:
-                problems[i] = Problem("in_train", "prompt", "the same prompt is a training row; held-out rows "
-                                                            "must not be trained on")
+                problems[i] = Problem(
+                    "in_train",
+                    "prompt",
+                    "the same prompt is a training row; held-out rows must not be trained on",
+                )
             else:
                 seen[key] = i
         kept = [_normalise(r) for i, r in enumerate(records) if i not in problems]
-        quarantined = [{"source_file": source_file, "source_row": i, "reason": problems[i].reason,
-                        "column": problems[i].column, "detail": problems[i].detail,
-                        "row_json": json.dumps(records[i], sort_keys=True, default=str)} for i in sorted(problems)]
+        quarantined = [
+            {
+                "source_file": source_file,
+                "source_row": i,
+                "reason": problems[i].reason,
+                "column": problems[i].column,
+                "detail": problems[i].detail,
+                "row_json": json.dumps(records[i], sort_keys=True, default=str),
+            }
+            for i in sorted(problems)
+        ]
         if len(kept) + len(quarantined) != len(records):
-            raise DataError(f"cleaning {source_file}: kept {len(kept)} + quarantined {len(quarantined)} != "
-                            f"{len(records)} input rows (a bug in reinforge; please report it)")
+            raise DataError(
+                f"cleaning {source_file}: kept {len(kept)} + quarantined {len(quarantined)} != "
+                f"{len(records)} input rows (a bug in reinforge; please report it)"
+            )
         return kept, quarantined
 
 
-def clean_rows(df: pd.DataFrame, tokenizer, rules: RowRules, source_file: str,
-               train_keys: set | None = None) -> tuple[list[dict], list[dict]]:
+def clean_rows(
+    df: pd.DataFrame, tokenizer, rules: RowRules, source_file: str, train_keys: set | None = None
+) -> tuple[list[dict], list[dict]]:
     """Split rows into (kept rows, quarantined rows with reasons); the input's order is kept."""
     return RowChecker(tokenizer, rules, train_keys).check(df, source_file)
 
@@ -283,8 +369,14 @@ class CleanReport:
     quarantine_path: str
 
 
-def clean_file(src: str | Path, dst: str | Path, quarantine_dir: str | Path, tokenizer, rules: RowRules,
-               train_keys: set | None = None) -> CleanReport:
+def clean_file(
+    src: str | Path,
+    dst: str | Path,
+    quarantine_dir: str | Path,
+    tokenizer,
+    rules: RowRules,
+    train_keys: set | None = None,
+) -> CleanReport:
     """Clean one file: the kept rows to `dst`, the rejected ones to `quarantine_dir/<dst's name>`. When no row
     survives, the quarantine file is still written, a previous `dst` is removed (it would look valid to the
     next stage), and DataError names the quarantine file."""
@@ -295,26 +387,36 @@ def clean_file(src: str | Path, dst: str | Path, quarantine_dir: str | Path, tok
     counts = dict(sorted(Counter(q["reason"] for q in quarantined).items()))
     if not kept:
         Path(dst).unlink(missing_ok=True)
-        first = f"row {quarantined[0]['source_row']}: {quarantined[0]['detail']}" if quarantined else "the file is empty"
-        raise DataError(f"{src}: all {len(df)} rows were quarantined ({counts or 'none'}), written to {qpath}; the "
-                        f"first: {first}. Fix the data and run `reinforge clean` again.")
+        first = (
+            f"row {quarantined[0]['source_row']}: {quarantined[0]['detail']}"
+            if quarantined
+            else "the file is empty"
+        )
+        raise DataError(
+            f"{src}: all {len(df)} rows were quarantined ({counts or 'none'}), written to {qpath}; the "
+            f"first: {first}. Fix the data and run `reinforge clean` again."
+        )
     write_parquet(kept, dst, schema=row_schema(prompt_form(kept[0]["prompt"]), images="images" in kept[0]))
     return CleanReport(len(df), len(kept), len(quarantined), counts, str(dst), str(qpath))
 
 
-def validate_file(path: str | Path, key: str, tokenizer, rules: RowRules,
-                  train_keys: set | None = None) -> list[dict]:
+def validate_file(
+    path: str | Path, key: str, tokenizer, rules: RowRules, train_keys: set | None = None
+) -> list[dict]:
     """The rows of a file a flow is about to use, each checked as the clean stage checks it. DataError naming
     the file, the first bad rows, their column and reason when any row fails (nothing is quarantined here:
     the flow stops before any work, and `reinforge clean` sorts the file)."""
     df = read_rows(path, key=key)
     kept, bad = RowChecker(tokenizer, rules, train_keys, Path(path).parent).check(df, str(path))
     if bad:
-        shown = "; ".join(f"row {q['source_row']}, column {q['column']}: {q['reason']} ({q['detail']})"
-                          for q in bad[:3])
+        shown = "; ".join(
+            f"row {q['source_row']}, column {q['column']}: {q['reason']} ({q['detail']})" for q in bad[:3]
+        )
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
-        raise DataError(f"{key}={path}: {len(bad)} of {len(df)} rows fail validation: {shown}{more}. Run "
-                        "`reinforge clean` to quarantine them, or fix the file.")
+        raise DataError(
+            f"{key}={path}: {len(bad)} of {len(df)} rows fail validation: {shown}{more}. Run "
+            "`reinforge clean` to quarantine them, or fix the file."
+        )
     if not kept:
         raise DataError(f"{key}={path} has no rows; run `reinforge clean` and check the quarantine folder")
     return kept

@@ -19,28 +19,43 @@ ARITH_SOURCE = "arith"
 ARITH_TOOL_SOURCE = "arith_tool"
 GSM8K_SOURCE = "openai/gsm8k"
 
+# an image as verl stores it: its encoded bytes, or a path (relative to the project, or absolute)
+IMAGE_TYPE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
 
 def row_schema(form: str = "messages", images: bool = False) -> pa.Schema:
     """The parquet schema of rows whose prompts are chat messages ("messages") or plain strings ("text"),
-    with an `images` column (paths) when `images`."""
-    extra = [("images", pa.list_(pa.string()))] if images else []
-    return pa.schema(extra + [
-        ("data_source", pa.string()),
-        ("prompt", MESSAGES_TYPE if form == "messages" else pa.string()),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()),
-                                  ("question", pa.string())])),
-    ])
+    with an `images` column (verl's {bytes, path} entries) when `images`."""
+    extra = [("images", pa.list_(IMAGE_TYPE))] if images else []
+    return pa.schema(
+        extra
+        + [
+            ("data_source", pa.string()),
+            ("prompt", MESSAGES_TYPE if form == "messages" else pa.string()),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+            (
+                "extra_info",
+                pa.struct(
+                    [
+                        ("split", pa.string()),
+                        ("index", pa.int64()),
+                        ("answer", pa.string()),
+                        ("question", pa.string()),
+                    ]
+                ),
+            ),
+        ]
+    )
 
 
 ROW_SCHEMA = row_schema("messages")
 
 
-def make_row(source: str, question: str, answer: str, ground_truth: str, split: str, index: int,
-             ability: str = "math") -> dict:
+def make_row(
+    source: str, question: str, answer: str, ground_truth: str, split: str, index: int, ability: str = "math"
+) -> dict:
     return {
         "data_source": source,
         "prompt": [{"role": "user", "content": question}],
@@ -58,19 +73,31 @@ def tool_answer(expression: str, result: int) -> str:
     final answer."""
     from components.rollout.tools import tool_call_text
 
-    return (tool_call_text("calculator", {"expression": expression}) +
-            f"<tool_response>{result}</tool_response>#### {result}")
+    return (
+        tool_call_text("calculator", {"expression": expression})
+        + f"<tool_response>{result}</tool_response>#### {result}"
+    )
 
 
-def arithmetic_rows(num_train: int, num_eval: int, max_operand: int, operations: list[str],
-                    seed: int, tool_fraction: float | None = None) -> tuple[list[dict], list[dict]]:
+def arithmetic_rows(
+    num_train: int,
+    num_eval: int,
+    max_operand: int,
+    operations: list[str],
+    seed: int,
+    tool_fraction: float | None = None,
+) -> tuple[list[dict], list[dict]]:
     """Distinct two-operand problems `a+b=` with answers `#### N`, split into disjoint train and eval sets.
     tool_fraction (the arith_tool task) makes that share of the answers calculator trajectories, data_source
     `arith_tool`."""
-    problems = [(a, op, b) for op in operations for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    problems = [
+        (a, op, b) for op in operations for a in range(max_operand + 1) for b in range(max_operand + 1)
+    ]
     if num_train + num_eval > len(problems):
-        raise DataError(f"data.num_train + data.num_eval = {num_train + num_eval} exceeds the {len(problems)} "
-                        "distinct problems; raise data.max_operand or ask for fewer")
+        raise DataError(
+            f"data.num_train + data.num_eval = {num_train + num_eval} exceeds the {len(problems)} "
+            "distinct problems; raise data.max_operand or ask for fewer"
+        )
     random.Random(seed).shuffle(problems)
     pick = random.Random(seed + 1)
 
@@ -85,7 +112,7 @@ def arithmetic_rows(num_train: int, num_eval: int, max_operand: int, operations:
             out.append(make_row(ARITH_TOOL_SOURCE, f"{a}{op}{b}=", answer, str(result), split, i))
         return out
 
-    return rows(problems[:num_train], "train"), rows(problems[num_train:num_train + num_eval], "test")
+    return rows(problems[:num_train], "train"), rows(problems[num_train : num_train + num_eval], "test")
 
 
 _GSM8K_ANSWER = re.compile(r"####\s*(-?[0-9.,]+)")
@@ -100,8 +127,9 @@ def gsm8k_rows(path: str | Path, split: str, key: str = "data.gsm8k_path") -> li
     df = read_rows(path, key=key)
     missing = {"question", "answer"} - set(df.columns)
     if missing:
-        raise DataError(f"{key}={path}: columns {sorted(missing)} missing; a GSM8K file has "
-                        "`question` and `answer`")
+        raise DataError(
+            f"{key}={path}: columns {sorted(missing)} missing; a GSM8K file has `question` and `answer`"
+        )
     out = []
     for i, rec in enumerate(df.to_dict("records")):
         answer = rec.get("answer") if isinstance(rec.get("answer"), str) else ""
@@ -112,8 +140,9 @@ def gsm8k_rows(path: str | Path, split: str, key: str = "data.gsm8k_path") -> li
     return out
 
 
-def gsm8k_splits(train_path: str | Path, test_path: str | Path | None, num_eval: int,
-                 seed: int) -> tuple[list[dict], list[dict]]:
+def gsm8k_splits(
+    train_path: str | Path, test_path: str | Path | None, num_eval: int, seed: int
+) -> tuple[list[dict], list[dict]]:
     """Disjoint train and test rows from GSM8K files: the test file when given (data.gsm8k_test_path), else a
     seeded held-out split of `num_eval` questions from the train file. A question in both files is left for
     the clean stage, which quarantines the held-out copy (`in_train`): no accuracy is measured on trained rows."""
@@ -122,12 +151,18 @@ def gsm8k_splits(train_path: str | Path, test_path: str | Path | None, num_eval:
         test = gsm8k_rows(test_path, "test", key="data.gsm8k_test_path")
     else:
         if num_eval >= len(train):
-            raise DataError(f"data.gsm8k_path={train_path} has {len(train)} rows, too few to hold out "
-                            f"data.num_eval={num_eval} for testing; lower data.num_eval or give "
-                            "data.gsm8k_test_path")
+            raise DataError(
+                f"data.gsm8k_path={train_path} has {len(train)} rows, too few to hold out "
+                f"data.num_eval={num_eval} for testing; lower data.num_eval or give "
+                "data.gsm8k_test_path"
+            )
         order = list(range(len(train)))
         random.Random(seed).shuffle(order)
         held = set(order[:num_eval])
-        test = [{**r, "extra_info": {**r["extra_info"], "split": "test"}} for i, r in enumerate(train) if i in held]
+        test = [
+            {**r, "extra_info": {**r["extra_info"], "split": "test"}}
+            for i, r in enumerate(train)
+            if i in held
+        ]
         train = [r for i, r in enumerate(train) if i not in held]
     return train, test

@@ -27,6 +27,13 @@ IMAGE_MODES = ("RGB", "RGBA", "L")
 COLOURS = [(240, 240, 240), (250, 230, 120), (150, 240, 250)]
 
 
+def image_ref(entry) -> dict:
+    """One `images` entry in verl's form, {bytes, path}: a path string becomes {bytes: None, path}."""
+    if isinstance(entry, dict):
+        return {"bytes": entry.get("bytes") or None, "path": entry.get("path") or None}
+    return {"bytes": None, "path": str(entry)}
+
+
 def draw_count_image(count: int, size: int, rng: random.Random):
     """`count` filled squares of random light colours in distinct cells of a 4x4 grid on black, with a
     jittered position inside the cell: the answer is in the image, and only there."""
@@ -58,9 +65,11 @@ def visual_count_rows(
             count = rng.randint(1, max_count)
             path = out_dir / f"{split}_{i:05d}.png"
             draw_count_image(count, size, rng).save(path, format="PNG")
-            row = make_row(VISUAL_SOURCE, COUNT_PROMPT, f"#### {count}", str(count), split, i, ability="vision")
+            row = make_row(
+                VISUAL_SOURCE, COUNT_PROMPT, f"#### {count}", str(count), split, i, ability="vision"
+            )
             row["prompt"] = COUNT_PROMPT  # a plain string: the tiny model has no chat roles
-            row["images"] = [str(path)]
+            row["images"] = [image_ref(path)]
             made.append(row)
         return made
 
@@ -97,7 +106,7 @@ def llava_rows(path: str | Path, image_folder: str | Path | None, key: str = "da
             question = IMAGE_TOKEN * len(images) + question
         row = make_row(rec.get("data_source", VISUAL_SOURCE), question, answer, truth, "train", i, "vision")
         row["prompt"] = question
-        row["images"] = [str(folder / p) if not Path(p).is_absolute() else p for p in images]
+        row["images"] = [image_ref(folder / p) for p in images]
         out.append(row)
     return out
 
@@ -146,7 +155,11 @@ def image_problem(prompt, images, base: Path | None = None) -> tuple[str, str, s
         try:
             data = image_entry_bytes(entry, base)
         except OSError as exc:
-            return ("missing_image", f"image {str(entry)[:80]!r} cannot be read ({exc.__class__.__name__})", None)
+            return (
+                "missing_image",
+                f"image {str(entry)[:80]!r} cannot be read ({exc.__class__.__name__})",
+                None,
+            )
         try:
             img = Image.open(io.BytesIO(data))
             img.load()
@@ -163,13 +176,14 @@ def image_problem(prompt, images, base: Path | None = None) -> tuple[str, str, s
 
 
 def absolute_images(rows: list[dict], base: Path) -> list[dict]:
-    """Rows whose image paths are absolute (Ray workers may run elsewhere in the tree); bytes stay bytes."""
+    """Rows whose images are {bytes, path} with absolute paths (Ray workers may run elsewhere in the tree)."""
 
     def fix(entry):
-        if isinstance(entry, str) and not Path(entry).is_absolute():
-            p = Path(entry) if Path(entry).exists() else base / entry
-            return str(p.resolve())
-        return entry
+        ref = image_ref(entry)
+        path = ref["path"]
+        if not ref["bytes"] and path and not Path(path).is_absolute():
+            ref["path"] = str((Path(path) if Path(path).exists() else base / path).resolve())
+        return ref
 
     return [{**r, "images": [fix(e) for e in r["images"]]} if r.get("images") else r for r in rows]
 

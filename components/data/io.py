@@ -18,8 +18,10 @@ def read_rows(path: str | Path, key: str = "data path") -> pd.DataFrame:
     """Rows of a parquet or jsonl file; a missing or unreadable file is a DataError naming it."""
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"{key}: {p} does not exist. Run `reinforge prepare` (or `dvc repro`) to create it, "
-                        "or fix the path in your config.")
+        raise DataError(
+            f"{key}: {p} does not exist. Run `reinforge prepare` (or `dvc repro`) to create it, "
+            "or fix the path in your config."
+        )
     try:
         if p.suffix in (".jsonl", ".json"):
             return pd.read_json(p, lines=p.suffix == ".jsonl", dtype=False)
@@ -44,8 +46,10 @@ def write_atomic(path: str | Path, write) -> Path:
     except OSError as exc:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-        raise OutputError(f"cannot write {p}: {exc.strerror or exc} (errno {exc.errno}). Free space or fix the "
-                          "permissions there, or point the output elsewhere; the previous file is unchanged.") from exc
+        raise OutputError(
+            f"cannot write {p}: {exc.strerror or exc} (errno {exc.errno}). Free space or fix the "
+            "permissions there, or point the output elsewhere; the previous file is unchanged."
+        ) from exc
     except BaseException:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
@@ -74,8 +78,8 @@ def to_plain(v):
     """numpy arrays and scalars from parquet -> plain Python (lists, dicts, str, numbers); NaN -> None."""
     if hasattr(v, "tolist"):
         return to_plain(v.tolist())
-    if isinstance(v, dict):
-        return {str(k): to_plain(x) for k, x in v.items()}
+    if isinstance(v, dict):  # an image's encoded bytes (verl's {bytes, path}) stay bytes
+        return {str(k): x if k == "bytes" and isinstance(x, bytes) else to_plain(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [to_plain(x) for x in v]
     if isinstance(v, bytes):

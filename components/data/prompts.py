@@ -29,9 +29,14 @@ def prompt_form(prompt: Any) -> str | None:
     """
     if isinstance(prompt, str):
         return TEXT
-    if isinstance(prompt, (list, tuple)) and prompt and all(
+    if (
+        isinstance(prompt, (list, tuple))
+        and prompt
+        and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in prompt):
+            for m in prompt
+        )
+    ):
         return MESSAGES
     return None
 
@@ -50,7 +55,7 @@ class PromptSettings:
     apply_chat_template: bool | None = None
 
     @classmethod
-    def from_config(cls, cfg) -> "PromptSettings":
+    def from_config(cls, cfg) -> PromptSettings:
         return cls(cfg.data.apply_chat_template)
 
     def templated(self, form: str) -> bool:
@@ -64,14 +69,18 @@ def check_fits(tokenizer, form: str, settings: PromptSettings, where: str) -> No
     has_template = bool(getattr(tokenizer, "chat_template", None))
     model = getattr(tokenizer, "name_or_path", "") or "the tiny model"
     if form == MESSAGES and settings.apply_chat_template is False:
-        raise ConfigError(f"data.apply_chat_template=false, but the prompts in {where} are chat messages, which "
-                          "only a chat template turns into text. Set data.apply_chat_template=true (or leave it "
-                          "unset), or give the prompts as plain strings.")
+        raise ConfigError(
+            f"data.apply_chat_template=false, but the prompts in {where} are chat messages, which "
+            "only a chat template turns into text. Set data.apply_chat_template=true (or leave it "
+            "unset), or give the prompts as plain strings."
+        )
     if settings.templated(form) and not has_template:
         what = "are chat messages" if form == MESSAGES else "go through it (data.apply_chat_template=true)"
-        raise ConfigError(f"data.apply_chat_template: the tokenizer of {model} has no chat template, but the "
-                          f"prompts of {where} {what}. Give the prompts as plain strings with data.apply_chat_template="
-                          "false (or unset), or use a model whose tokenizer has a chat template.")
+        raise ConfigError(
+            f"data.apply_chat_template: the tokenizer of {model} has no chat template, but the "
+            f"prompts of {where} {what}. Give the prompts as plain strings with data.apply_chat_template="
+            "false (or unset), or use a model whose tokenizer has a chat template."
+        )
 
 
 def render_prompt(tokenizer, prompt: Any, settings: PromptSettings, tools: list[dict] | None = None) -> str:
@@ -85,7 +94,9 @@ def render_prompt(tokenizer, prompt: Any, settings: PromptSettings, tools: list[
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
 
 
-def encode_prompt(tokenizer, prompt: Any, settings: PromptSettings, tools: list[dict] | None = None) -> list[int]:
+def encode_prompt(
+    tokenizer, prompt: Any, settings: PromptSettings, tools: list[dict] | None = None
+) -> list[int]:
     """Token ids of one prompt. A templated prompt's special tokens come from the template; a plain string gets
     the ones the tokenizer adds itself."""
     text = render_prompt(tokenizer, prompt, settings, tools)
@@ -93,6 +104,7 @@ def encode_prompt(tokenizer, prompt: Any, settings: PromptSettings, tools: list[
     return tokenizer(text, add_special_tokens=not templated)["input_ids"]
 
 
-def encode_prompts(tokenizer, prompts: list, settings: PromptSettings,
-                   tools: list[dict] | None = None) -> list[list[int]]:
+def encode_prompts(
+    tokenizer, prompts: list, settings: PromptSettings, tools: list[dict] | None = None
+) -> list[list[int]]:
     return [encode_prompt(tokenizer, p, settings, tools) for p in prompts]

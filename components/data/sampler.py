@@ -23,7 +23,7 @@ class PromptSampler:
         out: list[int] = []
         while len(out) < self.batch_size:
             order = self._order(self.epoch)
-            take = order[self.cursor:self.cursor + self.batch_size - len(out)]
+            take = order[self.cursor : self.cursor + self.batch_size - len(out)]
             out += take
             self.cursor += len(take)
             if self.cursor >= self.n_rows:

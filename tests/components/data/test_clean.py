@@ -28,20 +28,30 @@ def reasons_of(quarantined):
 
 
 def test_malformed_rows_are_quarantined_with_their_true_reason():
-    rows = [good(1), good(2), good(1),  # a duplicate of row 0
-            {**good(3), "prompt": [{"role": "user", "content": "   "}]},
-            {**good(4), "reward_model": {"style": "rule", "ground_truth": None}},
-            {**good(5), "data_source": 7},
-            good(6, "9" * 40),
-            {**good(7), "reward_model": {"style": "rule", "ground_truth": 3.5}},
-            {**good(8), "prompt": 12},
-            {**good(9), "prompt": []}]
+    rows = [
+        good(1),
+        good(2),
+        good(1),  # a duplicate of row 0
+        {**good(3), "prompt": [{"role": "user", "content": "   "}]},
+        {**good(4), "reward_model": {"style": "rule", "ground_truth": None}},
+        {**good(5), "data_source": 7},
+        good(6, "9" * 40),
+        {**good(7), "reward_model": {"style": "rule", "ground_truth": 3.5}},
+        {**good(8), "prompt": 12},
+        {**good(9), "prompt": []},
+    ]
     kept, quarantined = clean_rows(pd.DataFrame(rows), TOK, RULES, "x.parquet")
     assert [r["extra_info"]["index"] for r in kept] == [1, 2]
     assert reasons_of(quarantined) == {
-        2: ("duplicate", "prompt"), 3: ("empty", "prompt"), 4: ("missing", "reward_model.ground_truth"),
-        5: ("wrong_type", "data_source"), 6: ("too_long", "prompt"),
-        7: ("wrong_type", "reward_model.ground_truth"), 8: ("wrong_type", "prompt"), 9: ("empty", "prompt")}
+        2: ("duplicate", "prompt"),
+        3: ("empty", "prompt"),
+        4: ("missing", "reward_model.ground_truth"),
+        5: ("wrong_type", "data_source"),
+        6: ("too_long", "prompt"),
+        7: ("wrong_type", "reward_model.ground_truth"),
+        8: ("wrong_type", "prompt"),
+        9: ("empty", "prompt"),
+    }
     detail = {q["source_row"]: q["detail"] for q in quarantined}
     assert detail[2] == "duplicate of row 0" and "data.max_prompt_len=16" in detail[6]
     assert "float" in detail[7] and "must be a string" in detail[7]
@@ -50,8 +60,10 @@ def test_malformed_rows_are_quarantined_with_their_true_reason():
 
 
 def test_unambiguous_types_are_normalised_not_rejected():
-    rows = [{**good(1), "reward_model": {"style": "rule", "ground_truth": 3}},
-            {**good(2), "reward_model": {"ground_truth": {"target": 4, "numbers": [1, 3]}}, "ability": None}]
+    rows = [
+        {**good(1), "reward_model": {"style": "rule", "ground_truth": 3}},
+        {**good(2), "reward_model": {"ground_truth": {"target": 4, "numbers": [1, 3]}}, "ability": None},
+    ]
     kept, quarantined = clean_rows(pd.DataFrame(rows), TOK, RULES, "x")
     assert not quarantined
     assert kept[0]["reward_model"]["ground_truth"] == "3"  # an int ground truth would score 0 against '3'
@@ -71,9 +83,14 @@ def test_text_outside_the_vocabulary_is_quarantined_unless_allowed():
 
 
 def test_plain_string_prompts_are_kept_as_strings():
-    rows = [{"data_source": "arith", "prompt": "12+3=", "reward_model": {"ground_truth": "15"}},
-            {"data_source": "arith", "prompt": [{"role": "user", "content": "1+1="}],
-             "reward_model": {"ground_truth": "2"}}]
+    rows = [
+        {"data_source": "arith", "prompt": "12+3=", "reward_model": {"ground_truth": "15"}},
+        {
+            "data_source": "arith",
+            "prompt": [{"role": "user", "content": "1+1="}],
+            "reward_model": {"ground_truth": "2"},
+        },
+    ]
     kept, quarantined = clean_rows(pd.DataFrame(rows), TOK, RULES, "x")
     assert kept[0]["prompt"] == "12+3=" and kept[0]["extra_info"]["index"] == -1
     assert reasons_of(quarantined) == {1: ("prompt_form", "prompt")}
@@ -82,12 +99,17 @@ def test_plain_string_prompts_are_kept_as_strings():
 def test_messages_need_a_chat_template(tmp_path):
     tok = build_char_tokenizer()
     tok.chat_template = None
-    with pytest.raises(ConfigError, match=r"data\.apply_chat_template: the tokenizer .* has no chat template.*"
-                                          r"chat messages"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data\.apply_chat_template: the tokenizer .* has no chat template.*"
+        r"chat messages",
+    ):
         clean_rows(pd.DataFrame([good(1)]), tok, RULES, "x")
     with pytest.raises(ConfigError, match=r"data\.apply_chat_template=false, but the prompts in x are chat"):
         clean_rows(pd.DataFrame([good(1)]), TOK, RowRules(16, prompts=_settings(False)), "x")
-    string_rows = pd.DataFrame([{"data_source": "arith", "prompt": "1+1=", "reward_model": {"ground_truth": "2"}}])
+    string_rows = pd.DataFrame(
+        [{"data_source": "arith", "prompt": "1+1=", "reward_model": {"ground_truth": "2"}}]
+    )
     assert len(clean_rows(string_rows, tok, RULES, "x")[0]) == 1
     with pytest.raises(ConfigError, match=r"data\.apply_chat_template=true\)"):
         clean_rows(string_rows, tok, RowRules(16, prompts=_settings(True)), "x")
@@ -106,8 +128,9 @@ def test_a_missing_column_is_named():
 
 
 def test_held_out_rows_seen_in_training_are_quarantined():
-    kept, quarantined = clean_rows(pd.DataFrame([good(1), good(2)]), TOK, RULES, "test",
-                                   train_keys={("arith", "1+1=")})
+    kept, quarantined = clean_rows(
+        pd.DataFrame([good(1), good(2)]), TOK, RULES, "test", train_keys={("arith", "1+1=")}
+    )
     assert len(kept) == 1 and reasons_of(quarantined) == {0: ("in_train", "prompt")}
 
 
@@ -143,19 +166,37 @@ def test_all_rows_bad_names_the_quarantine_it_wrote_and_leaves_no_stale_clean_fi
 
 def test_validate_file_names_the_file_row_and_column(tmp_path):
     path = tmp_path / "train.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [
-        {"data_source": "arith", "prompt": "1+1=", "reward_model": {"ground_truth": "2"}},
-        {"data_source": "arith", "prompt": "2+2=", "reward_model": {"ground_truth": None}}]))
-    with pytest.raises(DataError, match=r"data\.train_path=.*train\.jsonl: 1 of 2 rows fail validation: row 1, "
-                                        r"column reward_model\.ground_truth: missing"):
+    path.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"data_source": "arith", "prompt": "1+1=", "reward_model": {"ground_truth": "2"}},
+                {"data_source": "arith", "prompt": "2+2=", "reward_model": {"ground_truth": None}},
+            ]
+        )
+    )
+    with pytest.raises(
+        DataError,
+        match=r"data\.train_path=.*train\.jsonl: 1 of 2 rows fail validation: row 1, "
+        r"column reward_model\.ground_truth: missing",
+    ):
         validate_file(path, "data.train_path", TOK, RULES)
 
 
 def test_gsm8k_import(tmp_path):
     p = tmp_path / "gsm8k.jsonl"
-    p.write_text("\n".join(json.dumps(r) for r in [
-        {"question": "Tom has 2 apples and buys 1,000 more. How many?", "answer": "2+1000=1002\n#### 1,002"},
-        {"question": "Broken row", "answer": "no final answer"}]))
+    p.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {
+                    "question": "Tom has 2 apples and buys 1,000 more. How many?",
+                    "answer": "2+1000=1002\n#### 1,002",
+                },
+                {"question": "Broken row", "answer": "no final answer"},
+            ]
+        )
+    )
     rows = gsm8k_rows(p, "train")
     assert rows[0]["reward_model"]["ground_truth"] == "1002" and rows[0]["data_source"] == "openai/gsm8k"
     kept, quarantined = clean_rows(pd.DataFrame(rows), TOK, RowRules(200), str(p))
@@ -163,7 +204,9 @@ def test_gsm8k_import(tmp_path):
 
 
 def _gsm8k_file(path, questions):
-    path.write_text("\n".join(json.dumps({"question": q, "answer": f"#### {i}"}) for i, q in enumerate(questions)))
+    path.write_text(
+        "\n".join(json.dumps({"question": q, "answer": f"#### {i}"}) for i, q in enumerate(questions))
+    )
     return path
 
 
@@ -195,16 +238,28 @@ def test_generator_splits_are_disjoint():
         arithmetic_rows(1000, 1000, 5, ["+"], 0)
 
 
-_text = st.one_of(st.text(max_size=30), st.just(""), st.none(), st.integers(), st.binary(max_size=8),
-                  st.floats(allow_nan=True), st.booleans())
-_row = st.fixed_dictionaries({
-    "data_source": st.one_of(st.just("arith"), _text),
-    "prompt": st.one_of(st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": _text}), max_size=2),
-                        _text),
-    "ability": st.one_of(st.just("math"), _text),
-    "reward_model": st.one_of(st.fixed_dictionaries({"style": st.just("rule"), "ground_truth": _text}), st.none()),
-    "extra_info": st.fixed_dictionaries({"index": st.one_of(st.integers(0, 3), st.none())}),
-})
+_text = st.one_of(
+    st.text(max_size=30),
+    st.just(""),
+    st.none(),
+    st.integers(),
+    st.binary(max_size=8),
+    st.floats(allow_nan=True),
+    st.booleans(),
+)
+_row = st.fixed_dictionaries(
+    {
+        "data_source": st.one_of(st.just("arith"), _text),
+        "prompt": st.one_of(
+            st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": _text}), max_size=2), _text
+        ),
+        "ability": st.one_of(st.just("math"), _text),
+        "reward_model": st.one_of(
+            st.fixed_dictionaries({"style": st.just("rule"), "ground_truth": _text}), st.none()
+        ),
+        "extra_info": st.fixed_dictionaries({"index": st.one_of(st.integers(0, 3), st.none())}),
+    }
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

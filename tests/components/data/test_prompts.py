@@ -20,28 +20,39 @@ def bos_tokenizer(template: bool):
     tok = build_char_tokenizer()
     tok.add_special_tokens({"bos_token": "<bos>"})
     tok.backend_tokenizer.post_processor = TemplateProcessing(
-        single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
+        single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)]
+    )
     if not template:
         tok.chat_template = None
     return tok
 
 
 def saved(tmp_path, tok):
-    model = build_tiny_model(tok, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
-                             max_positions=64, seed=0)
+    model = build_tiny_model(
+        tok, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_positions=64, seed=0
+    )
     return save_pretrained(model, tok, tmp_path / "model")
 
 
 def rollout_prompt_ids(model_dir, prompt, settings) -> list[int]:
     worker = RolloutWorker(str(model_dir), prompts=settings)
     row = {"prompt": prompt, "reward_model": {"ground_truth": "46"}, "data_source": "arith", "extra_info": {}}
-    batch = worker.generate([row], SamplingParams(n=1, temperature=0.0, max_new_tokens=2), seed=0, iteration=-1)
+    batch = worker.generate(
+        [row], SamplingParams(n=1, temperature=0.0, max_new_tokens=2), seed=0, iteration=-1
+    )
     return batch.tensors["prompts"][0][batch.tensors["prompt_mask"][0].bool()].tolist()
 
 
 # (tokenizer has a chat template, prompt, data.apply_chat_template): every combination that is not a config error
-CASES = [(True, MESSAGES, None), (True, MESSAGES, True), (True, TEXT, None), (True, TEXT, True),
-         (True, TEXT, False), (False, TEXT, None), (False, TEXT, False)]
+CASES = [
+    (True, MESSAGES, None),
+    (True, MESSAGES, True),
+    (True, TEXT, None),
+    (True, TEXT, True),
+    (True, TEXT, False),
+    (False, TEXT, None),
+    (False, TEXT, False),
+]
 
 
 @pytest.mark.parametrize("template,prompt,apply", CASES)

@@ -53,7 +53,7 @@ def test_dynamic_batches_halve_the_padding_of_fixed_count_batches_on_mixed_lengt
 
     rng = random.Random(0)
     lengths = [rng.choice([4, 6, 40, 64]) for _ in range(256)]
-    fixed = [lengths[i:i + 8] for i in range(0, 256, 8)]
+    fixed = [lengths[i : i + 8] for i in range(0, 256, 8)]
     padded_fixed = sum(len(b) * max(b) for b in fixed)
     dynamic = [[lengths[i] for i in b] for b in DynamicBatchSampler(lengths, max_tokens=8 * 64, seed=0)]
     padded_dynamic = sum(len(b) * max(b) for b in dynamic)
