@@ -10,7 +10,7 @@ from components.batch import Batch
 from components.config import Config
 from components.errors import ConfigError
 from components.evaluation import evaluate
-from components.models.loading import check_model_dir, load_tokenizer
+from components.models.loading import check_model_dir, load_image_encoder, load_tokenizer
 from components.plan import RunPlan
 from components.rewards.custom import check_custom_reward
 from components.rl import (
@@ -37,6 +37,7 @@ def check_inputs(cfg: Config, needs_critic: bool):
     check_services(cfg.trainer.connect_timeout_s)  # a deployment's run, which no CLI checked
     tokenizer = load_tokenizer(cfg.actor.model.path)
     check_model_dir(cfg.actor.model.path, "actor.model.path")
+    check_vision(cfg, tokenizer)
     if cfg.critic.model_path and needs_critic:
         check_model_dir(cfg.critic.model_path, "critic.model_path")
     if cfg.reward_model.path:
@@ -48,6 +49,26 @@ def check_inputs(cfg: Config, needs_critic: bool):
             "one, or set multi_turn.enable=false."
         )
     return tokenizer
+
+
+def check_vision(cfg: Config, tokenizer) -> None:
+    """The policy directory and actor.model.type agree, and a VLM's image takes at most
+    actor.model.vision_token_ratio of max_seq_len; ConfigError naming the key and the fix otherwise."""
+    m = cfg.actor.model
+    images = load_image_encoder(m.path, tokenizer)
+    if (images is not None) != (m.type == "multimodal"):
+        what = "a vision-language model" if images is not None else "a text-only model"
+        want = "multimodal" if images is not None else "text"
+        raise ConfigError(
+            f"actor.model.type={m.type}, but actor.model.path={m.path} is {what}; set actor.model.type={want}."
+        )
+    if images is not None and images.image_tokens > m.vision_token_ratio * m.max_seq_len:
+        raise ConfigError(
+            f"actor.model.vision_token_ratio={m.vision_token_ratio}: an image of actor.model.path={m.path} takes "
+            f"{images.image_tokens} tokens, more than {m.vision_token_ratio} x actor.model.max_seq_len="
+            f"{m.max_seq_len}. Raise the ratio or max_seq_len, or use a model whose processor makes fewer "
+            "image tokens (a composed model pools its patches to fit)."
+        )
 
 
 @stage(name="start-workers")

@@ -55,3 +55,18 @@ def test_the_cache_keys_and_the_fingerprint_come_from_the_declarations():
     keys = training_keys(load_config(None))
     assert "algorithm.clip_epsilon" in keys and "data.batch_size" in keys and "trainer.seed" in keys
     assert not {"trainer.iterations", "trainer.num_workers", "sft.steps", "data.num_train"} & set(keys)
+
+
+@pytest.mark.parametrize("file", ["dvc.yaml", "vlm/dvc.yaml"])
+def test_every_dependency_is_in_the_checkout_or_made_by_a_stage(file):
+    spec = yaml.safe_load((ROOT / file).read_text())
+    wdir = (ROOT / file).parent / spec["stages"]["prepare"].get("wdir", ".")
+    outs = {
+        (next(iter(o)) if isinstance(o, dict) else o)
+        for stage in spec["stages"].values()
+        for o in stage.get("outs", [])
+    }
+    for name, stage in spec["stages"].items():
+        for dep in stage.get("deps", []):
+            made = any(dep == o or dep.startswith(o + "/") for o in outs)
+            assert made or (wdir / dep).exists(), f"{file}: stage {name} depends on {dep}, which is not there"

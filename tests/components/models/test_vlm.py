@@ -213,3 +213,27 @@ def test_an_image_processor_needs_no_torchvision():
     assert type(processor.image_processor).__name__ == "CLIPImageProcessorPil"
     out = processor.image_processor(images=[Image.new("RGB", (50, 20))], return_tensors="pt")
     assert tuple(out["pixel_values"].shape) == (1, 3, 32, 32)
+
+
+def test_the_policy_directory_and_the_model_type_must_agree(tmp_path):
+    from components.config import load_config
+    from components.errors import ConfigError
+    from tasks.rl import check_vision
+
+    model, tok, processor = tiny_vlm("projector")  # 2x2 pooled: 4 image tokens
+    vlm = save_pretrained(model, tok, tmp_path / "vlm", processor=processor)
+    text = save_pretrained(model.language_model, tok, tmp_path / "text")
+
+    def check(path, *extra):
+        cfg = load_config("configs/arith_grpo.yaml", [f"actor.model.path={path}", *extra])
+        check_vision(cfg, load_tokenizer(path))
+
+    with pytest.raises(ConfigError, match=r"actor\.model\.type=text, but .* is a vision-language model"):
+        check(vlm)
+    with pytest.raises(ConfigError, match=r"actor\.model\.type=multimodal, but .* is a text-only model"):
+        check(text, "actor.model.type=multimodal")
+    with pytest.raises(
+        ConfigError, match=r"actor\.model\.vision_token_ratio=0\.05: an image .* takes 4 tokens"
+    ):
+        check(vlm, "actor.model.type=multimodal", "actor.model.vision_token_ratio=0.05")
+    check(vlm, "actor.model.type=multimodal")  # 4 tokens <= 0.5 x 64
