@@ -22,7 +22,7 @@ import torch
 from components.batch import Batch
 from components.plan import Placement, PolicySettings, ReferenceSettings, RunPlan
 from components.rollout.base import SamplingParams
-from components.rollout.pool import EnginePool
+from components.rollout.pool import FAILURES, EnginePool
 from components.rollout.worker import RolloutSettings, RolloutWorker
 from components.shutdown import reclaim_signals
 from components.training.distributed import GroupSpec
@@ -246,8 +246,21 @@ class RolloutGroup(Actors):
         return self.wait([e.weights_version.remote() for e in self.engines()], "weights_version")
 
     def stale(self, version: int) -> list:
-        """The engines whose weights are not `version` (a restarted one holds the SFT weights)."""
-        return [e for e, v in zip(self.engines(), self.versions()) if v != version]
+        """The engines whose weights are not `version` (a restarted one holds the SFT weights). An engine that
+        dies on the question (after its health check, before it samples) is restarted by the pool, which hands
+        it the current weights, instead of failing the stage."""
+        if self.pool is None:
+            return [e for e, v in zip(self.engines(), self.versions()) if v != version]
+        out = []
+        for k, engine in enumerate(list(self.pool.actors)):
+            try:
+                current = ray.get(engine.weights_version.remote(), timeout=self.pool.health_timeout_s)
+            except FAILURES:
+                self.pool.restart(k)
+                continue
+            if current != version:
+                out.append(engine)
+        return out
 
 
 class ReferenceActor(Actors):
@@ -314,9 +327,12 @@ class Workers:
         policy's current weights before it samples, so a stale engine is never sampled. Returns the stale ones."""
         if self.rollout.colocated:
             return []
+        pool = self.rollout.pool
+        restarts = pool.restarts if pool is not None else 0
         stale = self.rollout.stale(version)
-        if stale:
+        if stale or (pool is not None and pool.restarts != restarts):
             self.rollout.refresh_pids()
+        if stale:
             self.policy.push_weights(stale)
         return stale
 

@@ -66,23 +66,10 @@ def test_a_resume_from_a_checkpoint_with_images_ends_equal_to_the_whole_run(vlm)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_ppo_with_a_critic_trains_on_images(vlm):
-    """The critic reads the VLM's hidden states with the images: PPO (GAE) trains, logging a finite value
-    loss every iteration."""
-    from flows.train import train_flow
-
-    root, ov, _ = vlm
-    info = train_flow(
-        CONFIG, ov + [f"trainer.output_dir={root}/ppo", "algorithm.name=ppo", "trainer.iterations=3"]
-    )
-    client = MlflowClient(f"sqlite:///{root}/mlruns.db")
-    vf = [m.value for m in client.get_metric_history(info["run_id"], "critic/vf_loss")]
-    assert len(vf) == 3 and all(v == v for v in vf)
-
-
-def test_a_frozen_vision_tower_comes_out_of_rl_bit_identical(vlm):
-    """actor.model.freeze_vision_model=true on the Ray policy worker: after GRPO every vision parameter equals
-    the SFT model's, while the projector moved; MLflow says the tower was frozen."""
+def test_ppo_with_a_critic_trains_on_images_and_a_frozen_tower_stays_bit_identical(vlm):
+    """PPO (GAE) with actor.model.freeze_vision_model=true on the Ray policy worker: the critic reads the VLM's
+    hidden states with the images (a finite value loss every iteration); after RL every vision parameter
+    equals the SFT model's while the projector moved; MLflow says the tower was frozen."""
     from components.models.vlm import vision_parameter
     from flows.train import train_flow
 
@@ -91,14 +78,18 @@ def test_a_frozen_vision_tower_comes_out_of_rl_bit_identical(vlm):
         CONFIG,
         ov
         + [
-            f"trainer.output_dir={root}/frozen",
+            f"trainer.output_dir={root}/ppo",
+            "algorithm.name=ppo",
             "actor.model.freeze_vision_model=true",
             "trainer.iterations=2",
         ],
     )
+    client = MlflowClient(f"sqlite:///{root}/mlruns.db")
+    metric = lambda key: [m.value for m in client.get_metric_history(info["run_id"], key)]  # noqa: E731
+    vf = metric("critic/vf_loss")
+    assert len(vf) == 2 and all(v == v for v in vf)
+    assert metric("vision/frozen") == [1.0, 1.0]
     before, after = load_model(root / "sft").state_dict(), load_model(info["final_model"]).state_dict()
     vision = [k for k in before if vision_parameter(k)]
     assert vision and all(torch.equal(before[k], after[k]) for k in vision)
     assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("projector."))
-    client = MlflowClient(f"sqlite:///{root}/mlruns.db")
-    assert [m.value for m in client.get_metric_history(info["run_id"], "vision/frozen")] == [1.0, 1.0]
