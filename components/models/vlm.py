@@ -120,6 +120,10 @@ class VisionLanguageModel(PreTrainedModel):
                 GatedCrossAttention(width, heads, config.gate_init) for _ in config.cross_attention_layers
             )
         self._image_states: torch.Tensor | None = None
+        from components.rollout.hf import cache_kwarg
+
+        # the text model's name for its KV cache, read off its forward's signature once (not per decode step)
+        self._cache_name = cache_kwarg(self.language_model)
         self._hooks_added = False
         self.post_init()
 
@@ -190,8 +194,6 @@ class VisionLanguageModel(PreTrainedModel):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        from components.rollout.hf import cache_kwarg
-
         cache = cache if cache is not None else past_key_values
         if inputs_embeds is None:
             inputs_embeds = self.get_input_embeddings()(input_ids)
@@ -216,7 +218,7 @@ class VisionLanguageModel(PreTrainedModel):
                 labels=labels,
                 use_cache=use_cache,
                 logits_to_keep=logits_to_keep,
-                **({cache_kwarg(self.language_model): cache} if cache is not None else {}),
+                **({self._cache_name: cache} if cache is not None else {}),
                 **kwargs,
             )
         finally:
