@@ -206,14 +206,30 @@ class ImageEncoder:
 
     def pixels(self, rows: list[dict], base: Path | None = None):
         """(B, C, H, W) float32: each row's image through the image processor (zeros for a row without)."""
+        return self.processed(self.opened(rows, base))
+
+    def prompt_images(self, rows: list[dict], base: Path | None = None):
+        """The rows' images as a rollout engine takes them (components.rollout.base.PromptImages): pixels for
+        the hf engine, the decoded images for engines with their own processor; None without any image."""
+        from components.rollout.base import PromptImages
+
+        raw = self.opened(rows, base)
+        pixels = self.processed(raw)
+        return None if pixels is None else PromptImages(pixels, raw, self.token_id)
+
+    @staticmethod
+    def opened(rows: list[dict], base: Path | None = None) -> list:
+        """Each row's first image as RGB (None for a row without)."""
+        return [open_image(r["images"][0], base).convert("RGB") if r.get("images") else None for r in rows]
+
+    def processed(self, images: list):
         import torch
 
-        images = [open_image(r["images"][0], base).convert("RGB") if r.get("images") else None for r in rows]
         present = [img for img in images if img is not None]
         if not present:
             return None
         done = self.processor.image_processor(images=present, return_tensors="pt")["pixel_values"]
-        out = torch.zeros((len(rows), *done.shape[1:]), dtype=torch.float32)
+        out = torch.zeros((len(images), *done.shape[1:]), dtype=torch.float32)
         at = [i for i, img in enumerate(images) if img is not None]
         out[at] = done.float()
         return out

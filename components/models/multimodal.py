@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from components.errors import ConfigError
-from components.models.vlm import TINY_PATCH, image_grid, make_processor
+from components.models.vlm import TINY_PATCH, VLMConfig, image_grid, make_processor
 
 
 def _vision_config(path: str) -> dict:
@@ -34,6 +34,29 @@ def composed_image_tokens(cfg) -> int:
     if m.fusion_method != "projector":
         return 1
     return image_grid(native_grid(cfg), m.vision_token_ratio, m.max_seq_len) ** 2
+
+
+# engines that take images with their own processor for the model (components.rollout.base.PromptImages)
+IMAGE_ENGINES = ("vllm", "sglang")
+
+
+def engine_problems(engine_type: str, policy_path: str) -> list[str]:
+    """Whether the rollout engine can sample this VLM: the hf engine runs any; vLLM and SGLang run the
+    architectures they implement (LLaVA, Qwen2-VL, ...), never reinforge's own composed class, which is what
+    multimodal SFT writes, so they need actor.model.path on a directory of such a model."""
+    if engine_type == "hf":
+        return []
+    if engine_type not in IMAGE_ENGINES:
+        return [f"engine.type={engine_type} takes no images; set engine.type=hf (or vllm, sglang)."]
+    config = Path(policy_path) / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if model_type in (None, VLMConfig.model_type):
+        return [
+            f"engine.type={engine_type} with actor.model.path={policy_path}: {engine_type} has no "
+            f"implementation of reinforge's composed VLM ({VLMConfig.model_type}, what multimodal SFT writes); "
+            "set engine.type=hf, or point actor.model.path at a LLaVA or Qwen2-VL directory."
+        ]
+    return []
 
 
 def vision_problems(cfg) -> list[str]:
@@ -68,11 +91,7 @@ def vision_problems(cfg) -> list[str]:
             f"actor.model.vision_token_ratio={m.vision_token_ratio}: with actor.model.max_seq_len="
             f"{m.max_seq_len} no image token fits; raise either."
         )
-    if cfg.engine.type != "hf":
-        problems.append(
-            f"engine.type={cfg.engine.type} with actor.model.type=multimodal: images reach the hf engine only "
-            "in this version; set engine.type=hf."
-        )
+    problems += engine_problems(cfg.engine.type, m.path)
     if cfg.multi_turn.enable:
         problems.append(
             "multi_turn.enable=true with actor.model.type=multimodal is not supported; disable one."

@@ -374,9 +374,14 @@ def is_vlm_dir(path) -> bool:
         return False
 
 
+# VLMs whose processors cut each image into a variable patch grid with 3-D rotary positions
+DYNAMIC_RESOLUTION_VLMS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v")
+
+
 def load_processor(path, tokenizer, key: str = "actor.model.path"):
     """The processor saved beside a VLM (ours, LLaVA), over `tokenizer` (loaded as saved and checked by
     components.models.loading); ConfigError naming `key` when the directory has none."""
+    import json
     from pathlib import Path
 
     from transformers import AutoProcessor
@@ -384,6 +389,13 @@ def load_processor(path, tokenizer, key: str = "actor.model.path"):
     from components.errors import ConfigError
 
     p = Path(path)
+    model_type = json.loads((p / "config.json").read_text()).get("model_type")
+    if model_type in DYNAMIC_RESOLUTION_VLMS:
+        raise ConfigError(
+            f"{key}={path}: a {model_type} model, whose dynamic-resolution image inputs (image_grid_thw, M-RoPE "
+            "positions) this version does not handle; use a LLaVA-style directory, or compose one with "
+            "actor.model.type=multimodal (actor.model.text_model + vision_model)."
+        )
     if not any((p / name).is_file() for name in ("processor_config.json", "preprocessor_config.json")):
         raise ConfigError(
             f"{key}={path}: a vision-language model without its processor (processor_config.json or "
@@ -391,7 +403,7 @@ def load_processor(path, tokenizer, key: str = "actor.model.path"):
         )
     try:
         return AutoProcessor.from_pretrained(p, tokenizer=tokenizer, local_files_only=True)
-    except (OSError, ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError, ImportError) as exc:
         raise ConfigError(f"{key}={path}: its processor could not be loaded ({str(exc)[:200]}).") from None
 
 

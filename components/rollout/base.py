@@ -36,13 +36,37 @@ class RolloutOutput:
     weights_version: int
 
 
+@dataclass(frozen=True)
+class PromptImages:
+    """A VLM prompt batch's images in the two forms engines take: `pixels` (B, C, H, W) after the policy's
+    image processor (the hf engine feeds them to the model, as the trainer does), and `raw`, one PIL image (or
+    None) per prompt, for engines that run the model's processor themselves (vLLM, SGLang). Those expand the
+    image placeholder `token_id` themselves, so they are given each prompt `collapsed` to one placeholder per
+    image (our prompts carry it expanded to the image's tokens, as the trainer scores them)."""
+
+    pixels: torch.Tensor
+    raw: list
+    token_id: int
+
+    def collapsed(self, ids: list[int]) -> list[int]:
+        """A run of image tokens as the one placeholder the user wrote.
+
+        >>> PromptImages(torch.zeros(1), [None], 9).collapsed([1, 9, 9, 9, 2, 9, 9])
+        [1, 9, 2, 9]
+        """
+        return [t for i, t in enumerate(ids) if t != self.token_id or i == 0 or ids[i - 1] != t]
+
+
 class RolloutEngine(Protocol):
     """Built by `make_engine`; GPU engines may also free their memory between rollouts (`sleep` / `wake`)."""
 
     weights_version: int
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:
-        """Sample params.n completions for each prompt (token ids); deterministic for a seed."""
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int, images: PromptImages | None = None
+    ) -> RolloutOutput:
+        """Sample params.n completions for each prompt (token ids, with a VLM's `images`); deterministic for
+        a seed."""
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load new policy weights; `version` must grow, so a stale engine is never sampled."""

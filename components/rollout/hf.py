@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from components.models.vlm import image_token_id
-from components.rollout.base import RolloutOutput, SamplingParams, check_newer
+from components.rollout.base import PromptImages, RolloutOutput, SamplingParams, check_newer
 from components.rollout.fast_decode import LeanDecoder, prefill_mask, unsupported_reason
 from components.rollout.sampling import sample_tokens
 
@@ -76,20 +76,20 @@ class HFEngine:
         prompts: list[list[int]],
         params: SamplingParams,
         seed: int,
-        pixel_values: torch.Tensor | None = None,
+        images: PromptImages | None = None,
     ) -> RolloutOutput:
-        """`pixel_values` (B, C, H, W): each prompt's image, for a VLM (its prefill sees them; the KV cache then
-        holds the image tokens, or, for cross-attention, the image states)."""
+        """`images`: each prompt's image, for a VLM, as pixels (its prefill sees them; the KV cache then holds
+        the image tokens, or, for cross-attention, the image states)."""
         device = next(self.model.parameters()).device
         gen = torch.Generator(device=device).manual_seed(seed)
         ids, mask = left_pad(prompts, self.pad_id)
         ids = ids.repeat_interleave(params.n, 0).to(device)  # (N, P)
         mask = mask.repeat_interleave(params.n, 0).to(device)
-        images = None if pixel_values is None else pixel_values.repeat_interleave(params.n, 0).to(device)
+        pixels = None if images is None else images.pixels.repeat_interleave(params.n, 0).to(device)
         decoder = (
             _LeanSteps(self.lean, self.model, ids, mask, params.max_new_tokens)
             if self.lean is not None
-            else _HFSteps(self.model, ids, mask, images)
+            else _HFSteps(self.model, ids, mask, pixels)
         )
         n_rows = ids.shape[0]
         tokens_out = torch.full((n_rows, params.max_new_tokens), self.pad_id, dtype=torch.long, device=device)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from components.rollout.base import RolloutOutput, SamplingParams, check_newer
+from components.models.vlm import is_vlm_dir
+from components.rollout.base import PromptImages, RolloutOutput, SamplingParams, check_newer
 from components.rollout.completions import (
     EngineOptions,
     context_length,
@@ -45,6 +46,25 @@ def request_params(params: SamplingParams, seed: int, prompts: int) -> list[dict
     return [sampling_params(params, (seed + i) % 2**31) for i in range(prompts * params.n)]
 
 
+def request_inputs(prompts: list[list[int]], n: int, images: PromptImages | None) -> dict:
+    """SGLang's generate inputs for each prompt repeated n times: `input_ids`, and for a VLM `image_data` (one
+    image or None per request) with each prompt collapsed to one image placeholder, which SGLang's processor
+    for the model expands.
+
+    >>> request_inputs([[1, 2]], 2, None)
+    {'input_ids': [[1, 2], [1, 2]]}
+    >>> request_inputs([[5, 9, 9, 2]], 1, PromptImages(torch.zeros(1), ["png"], 9))
+    {'input_ids': [[5, 9, 2]], 'image_data': ['png']}
+    """
+    if images is None:
+        return {"input_ids": [p for p in prompts for _ in range(n)]}
+    ids = [images.collapsed(p) if img is not None else p for p, img in zip(prompts, images.raw, strict=True)]
+    return {
+        "input_ids": [p for p in ids for _ in range(n)],
+        "image_data": [img for img in images.raw for _ in range(n)],
+    }
+
+
 def completions(outputs: list[dict]) -> list[tuple[list[int], list[float]]]:
     """SGLang results (`output_ids`, `meta_info.output_token_logprobs` = [(logprob, token_id, text)]) -> per-sample
     (ids, log-probs)."""
@@ -69,13 +89,15 @@ class SGLangEngine:
             random_seed=options.seed,
             context_length=context_length(path, options.max_model_len),
             enable_memory_saver=options.sleep_during_update,
-            skip_tokenizer_init=True,
+            # a VLM's images go through SGLang's processor for the model, which needs its tokenizer
+            skip_tokenizer_init=not is_vlm_dir(path),
         )
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:
-        repeated = [p for p in prompts for _ in range(params.n)]
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int, images: PromptImages | None = None
+    ) -> RolloutOutput:
         outs = self.engine.generate(
-            input_ids=repeated,
+            **request_inputs(prompts, params.n, images),
             sampling_params=request_params(params, seed, len(prompts)),
             return_logprob=True,
         )

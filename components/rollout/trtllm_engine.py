@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from components.rollout.base import RolloutOutput, SamplingParams, check_newer
+from components.rollout.base import PromptImages, RolloutOutput, SamplingParams, check_newer
 from components.rollout.completions import (
     EngineOptions,
     context_length,
@@ -64,7 +64,13 @@ class TRTLLMEngine:
             max_seq_len=context_length(path, self.options.max_model_len),
         )
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int, images: PromptImages | None = None
+    ) -> RolloutOutput:
+        if images is not None:  # the config check refuses this pairing first; this guards direct use
+            raise ValueError(
+                "the trtllm engine takes no images: use engine.type=hf, vllm or sglang for a VLM"
+            )
         sp = self.trt.SamplingParams(**sampling_kwargs(params, seed))
         outs = self.llm.generate(prompts, sampling_params=sp, use_tqdm=False)
         return to_rollout_output(

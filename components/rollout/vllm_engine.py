@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from components.rollout.base import RolloutOutput, SamplingParams, check_newer
+from components.rollout.base import PromptImages, RolloutOutput, SamplingParams, check_newer
 from components.rollout.completions import (
     EngineOptions,
     context_length,
@@ -38,6 +38,25 @@ def sampling_kwargs(params: SamplingParams, seed: int) -> dict:
         "skip_special_tokens": False,
         "detokenize": False,
     }
+
+
+def token_prompts(prompts: list[list[int]], images: PromptImages | None) -> list[dict]:
+    """vLLM's TokensPrompt fields per prompt: a VLM prompt carries its image as `multi_modal_data` and one
+    image placeholder, which vLLM's own processor for the model expands (as our processor did for the trainer).
+
+    >>> token_prompts([[1, 2]], None)
+    [{'prompt_token_ids': [1, 2]}]
+    >>> token_prompts([[5, 9, 9, 2], [5, 2]], PromptImages(torch.zeros(2), ["png", None], 9))
+    [{'prompt_token_ids': [5, 9, 2], 'multi_modal_data': {'image': 'png'}}, {'prompt_token_ids': [5, 2]}]
+    """
+    if images is None:
+        return [{"prompt_token_ids": p} for p in prompts]
+    return [
+        {"prompt_token_ids": images.collapsed(p), "multi_modal_data": {"image": img}}
+        if img is not None
+        else {"prompt_token_ids": p}
+        for p, img in zip(prompts, images.raw, strict=True)
+    ]
 
 
 completions = request_completions  # vLLM's RequestOutput: `.outputs[j].logprobs` = [{token_id: Logprob}]
@@ -74,11 +93,14 @@ class VLLMEngine:
         )
         self._vllm = vllm
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutOutput:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int, images: PromptImages | None = None
+    ) -> RolloutOutput:
         from vllm.inputs import TokensPrompt
 
         sp = self._vllm.SamplingParams(**sampling_kwargs(params, seed))
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        requests = [TokensPrompt(**r) for r in token_prompts(prompts, images)]
+        outs = self.llm.generate(requests, sp, use_tqdm=False)
         return to_rollout_output(
             completions(outs),
             {self.eos_id, *params.stop_token_ids},

@@ -12,7 +12,7 @@ from components.batch import Batch
 from components.data.prompts import PromptSettings, encode_prompts
 from components.models.loading import load_image_encoder, load_tokenizer
 from components.rl import rollout_batch
-from components.rollout.base import SamplingParams, make_engine
+from components.rollout.base import PromptImages, SamplingParams, make_engine
 from components.rollout.completions import EngineOptions
 from components.rollout.multi_turn import MultiTurnSettings, make_tools, multi_turn_generate
 
@@ -119,8 +119,7 @@ class RolloutWorker:
             )
         start = time.perf_counter()
         self.engine.wake()
-        prompt_ids, pixels = self.encode(rows)
-        images = {"pixel_values": pixels} if pixels is not None else {}
+        prompt_ids, images = self.encode(rows)
         if self.multi_turn:
             mt = multi_turn_generate(
                 self.engine,
@@ -140,13 +139,13 @@ class RolloutWorker:
                 tool_errors=mt.tool_errors,
             )
         else:
-            out = self.engine.generate(prompt_ids, params, seed, **images)
+            out = self.engine.generate(prompt_ids, params, seed, images)
             batch = rollout_batch(rows, prompt_ids, out, params.n, self.tokenizer.pad_token_id, iteration)
-        if pixels is not None:
-            batch = batch.union(pixel_values=pixels.repeat_interleave(params.n, 0))
+        if images is not None:  # the trainer scores the samples with the pixels the hf engine saw
+            batch = batch.union(pixel_values=images.pixels.repeat_interleave(params.n, 0))
         batch.meta["gen_seconds"] = time.perf_counter() - start  # in the worker: the stage's compute
         if greedy_baseline:
-            greedy = self.engine.generate(prompt_ids, replace(params, n=1, temperature=0.0), seed, **images)
+            greedy = self.engine.generate(prompt_ids, replace(params, n=1, temperature=0.0), seed, images)
             batch = batch.union(
                 baseline_responses=greedy.responses.repeat_interleave(params.n, 0),
                 baseline_mask=greedy.response_mask.repeat_interleave(params.n, 0),
@@ -155,14 +154,14 @@ class RolloutWorker:
             self.engine.sleep()
         return batch
 
-    def encode(self, rows: list[dict]) -> tuple[list[list[int]], torch.Tensor | None]:
+    def encode(self, rows: list[dict]) -> tuple[list[list[int]], PromptImages | None]:
         """Each row's prompt ids (a VLM's `<image>` token expanded to the image's tokens) and, for a VLM, the
-        rows' images as pixels (B, C, H, W); None for a text-only policy."""
+        rows' images; None for a text-only policy."""
         tools = [t.schema for t in self.tools.values()]
         prompt_ids = encode_prompts(self.tokenizer, [r["prompt"] for r in rows], self.prompts, tools)
         if self.images is None:
             return prompt_ids, None
-        return [self.images.expand(p) for p in prompt_ids], self.images.pixels(rows)
+        return [self.images.expand(p) for p in prompt_ids], self.images.prompt_images(rows)
 
     def decode(self, batch: Batch) -> list[str]:
         from components.rl import decode_responses

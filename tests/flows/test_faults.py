@@ -257,7 +257,7 @@ def _left(procs: list) -> list:
 def test_a_signal_stops_the_run_at_once_leaving_nothing_and_a_resume_is_exact(start, whole, prefect_api, sig):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM to the process: it exits
     within 15 s with one line saying how to resume, every process it started (Ray, workers) is gone, its
-    MLflow run is KILLED, and the resumed run ends equal to the uninterrupted one."""
+    MLflow run is KILLED, its last checkpoint verifies, and the resumed run ends equal to the uninterrupted one."""
     from flows.train import train_flow
 
     root, ov = start
@@ -295,8 +295,11 @@ def test_a_signal_stops_the_run_at_once_leaving_nothing_and_a_resume_is_exact(st
         "mlflow_run_id"
     ]
     assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(run_id).info.status == "KILLED"
-    resumed = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={out}"])
-    assert resumed["run_id"] == run_id and _same_final_model(whole, resumed)
+    ckpt = run_dir(out) / "checkpoints"
+    checkpoints.verify(ckpt / (ckpt / "latest").read_text().strip())  # what the signal left is whole
+    if sig == signal.SIGINT:  # the resume itself is the same for both signals: run it once (suite time)
+        resumed = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={out}"])
+        assert resumed["run_id"] == run_id and _same_final_model(whole, resumed)
 
 
 def test_a_dead_prefect_server_stops_the_run_within_one_stage(start):

@@ -121,7 +121,7 @@ def test_llava_jsonl_import(tmp_path):
             r"actor\.model\.vision_token_ratio",
         ),
         (["data.task=visual_count"], r"actor\.model\.type=text is a text-only model"),
-        (["actor.model.type=multimodal", "engine.type=vllm"], r"engine\.type=vllm with actor\.model\.type"),
+        (["actor.model.type=multimodal", "engine.type=trtllm"], r"engine\.type=trtllm takes no images"),
     ],
 )
 def test_multimodal_config_errors_name_the_key(overrides, match):

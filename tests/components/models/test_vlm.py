@@ -7,6 +7,7 @@ from PIL import Image
 
 from components.data.images import IMAGE_TOKEN, ImageEncoder, draw_count_image
 from components.models.loading import load_image_encoder, load_model, load_tokenizer, save_pretrained
+from components.models.multimodal import engine_problems
 from components.models.tiny import build_char_tokenizer, build_tiny_model
 from components.models.vlm import (
     compose,
@@ -17,6 +18,8 @@ from components.models.vlm import (
 )
 from components.rollout.base import SamplingParams
 from components.rollout.hf import HFEngine, left_pad
+from components.rollout.sglang_engine import request_inputs
+from components.rollout.vllm_engine import token_prompts
 from components.training.logprobs import response_logprobs
 from components.training.optim import freeze_vision, param_groups
 
@@ -96,7 +99,9 @@ def test_the_image_decides_the_output_and_the_kv_cache_covers_it(fusion, tmp_pat
     ids = [enc.expand(tok2(r["prompt"], add_special_tokens=False)["input_ids"]) for r in rows]
     pixels = enc.pixels(rows)
     engine = HFEngine(loaded, tok2.eos_token_id, tok2.pad_token_id)
-    sample = engine.generate(ids, SamplingParams(n=2, max_new_tokens=6), seed=3, pixel_values=pixels)
+    sample = engine.generate(
+        ids, SamplingParams(n=2, max_new_tokens=6), seed=3, images=enc.prompt_images(rows)
+    )
     p_ids, p_mask = left_pad([p for p in ids for _ in range(2)], tok2.pad_token_id)
     pix = pixels.repeat_interleave(2, 0)
     ours, _ = response_logprobs(
@@ -191,9 +196,10 @@ def test_a_llava_directory_loads_and_samples_through_the_same_code(tmp_path):
     images(1)[0].save(path)
     rows = [{"prompt": f"{IMAGE_TOKEN}How many?", "images": [str(path)]}]
     ids = [enc.expand(tok2(rows[0]["prompt"], add_special_tokens=False)["input_ids"])]
-    pixels = enc.pixels(rows)
+    prompt_images = enc.prompt_images(rows)
+    pixels = prompt_images.pixels
     sample = HFEngine(model, tok2.eos_token_id, tok2.pad_token_id).generate(
-        ids, SamplingParams(n=2, max_new_tokens=4), seed=0, pixel_values=pixels
+        ids, SamplingParams(n=2, max_new_tokens=4), seed=0, images=prompt_images
     )
     p_ids, p_mask = left_pad(ids * 2, tok2.pad_token_id)
     ours, _ = response_logprobs(
@@ -206,6 +212,22 @@ def test_a_llava_directory_loads_and_samples_through_the_same_code(tmp_path):
     )
     mask = sample.response_mask.bool()
     assert torch.allclose(ours[mask], sample.logprobs[mask], atol=1e-5)
+
+    # vLLM and SGLang take this directory: the prompt as the user wrote it (one placeholder, their processor
+    # expands it) with the decoded image; reinforge's own composed class they refuse, naming the key
+    (request,) = token_prompts(ids, prompt_images)
+    assert request["prompt_token_ids"] == tok2(rows[0]["prompt"], add_special_tokens=False)["input_ids"]
+    assert request["multi_modal_data"]["image"].size == Image.open(path).size
+    assert request_inputs(ids, 2, prompt_images)["image_data"] == [request["multi_modal_data"]["image"]] * 2
+    assert engine_problems("vllm", str(out)) == [] and engine_problems("sglang", str(out)) == []
+    composed, composed_tok, composed_processor = tiny_vlm("projector")
+    ours_dir = save_pretrained(composed, composed_tok, tmp_path / "ours", processor=composed_processor)
+    (problem,) = engine_problems("vllm", str(ours_dir))
+    assert (
+        problem.startswith(f"engine.type=vllm with actor.model.path={ours_dir}")
+        and "engine.type=hf" in problem
+    )
+    assert "takes no images" in engine_problems("trtllm", str(out))[0]
 
 
 def test_an_image_processor_needs_no_torchvision():
@@ -237,3 +259,33 @@ def test_the_policy_directory_and_the_model_type_must_agree(tmp_path):
     ):
         check(vlm, "actor.model.type=multimodal", "actor.model.vision_token_ratio=0.05")
     check(vlm, "actor.model.type=multimodal")  # 4 tokens <= 0.5 x 64
+
+
+def test_a_qwen2_vl_directory_is_refused_naming_the_key(tmp_path):
+    """A real (tiny, random) Qwen2-VL directory: its dynamic-resolution inputs are not handled in this
+    version, so loading it as the policy is a config error naming the key and what to use instead."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from components.errors import ConfigError
+
+    tok = build_char_tokenizer()
+    config = Qwen2VLConfig(
+        text_config={
+            "vocab_size": len(tok),
+            "hidden_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "intermediate_size": 64,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]},
+        },
+        vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 32, "num_heads": 2, "in_chans": 3},
+    )
+    torch.manual_seed(0)
+    out = tmp_path / "qwen2vl"
+    Qwen2VLForConditionalGeneration(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    Qwen2VLImageProcessorPil().save_pretrained(out)
+    with pytest.raises(ConfigError, match=rf"actor\.model\.path={out}: a qwen2_vl model.*LLaVA-style"):
+        load_image_encoder(out, tok)
