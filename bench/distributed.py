@@ -94,6 +94,12 @@ SETTINGS = [  # (name, workers, overrides)
         ["trainer.strategy=fsdp", "memory_optim.param_offload=true", "memory_optim.optimizer_offload=true"],
     ),
     ("1 worker, token-budget micro-batches", 1, ["actor.ppo_max_token_len_per_worker={budget}"]),
+    ("2 workers tensor parallel (tp2)", 2, ["actor.tensor_model_parallel_size=2"]),
+    (
+        "4 workers tensor parallel x fsdp (tp2 x dp2)",
+        4,
+        ["actor.tensor_model_parallel_size=2", "trainer.strategy=fsdp"],
+    ),
 ]
 
 

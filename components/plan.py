@@ -41,6 +41,7 @@ class ParallelPlan:
     compression_fp16_below_gbps: float = 2.0
     compression_powersgd_below_gbps: float = 0.2
     simulated_bandwidth_gbps: float | None = None
+    tensor_parallel_size: int = 1  # actor.tensor_model_parallel_size: workers that split each layer
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,7 @@ def make_plan(cfg: Config) -> RunPlan:
             t.compression_fp16_below_gbps,
             t.compression_powersgd_below_gbps,
             t.simulated_bandwidth_gbps,
+            cfg.actor.tensor_model_parallel_size,
         ),
         critic=cfg.critic if algo.needs_critic else None,
         reference=algo.needs_reference and t.ref_placement == "colocate",

@@ -120,6 +120,7 @@ STAGES: dict[str, StageKeys] = {
             # how the update is spread over workers: the same step (within rounding) and a checkpoint format that
             # does not depend on it, so a group rebuilt smaller resumes the run
             "trainer.num_workers",
+            "actor.tensor_model_parallel_size",
             "trainer.strategy",
             "trainer.data_parallel_size",
             "trainer.zero_stage",

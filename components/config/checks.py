@@ -102,11 +102,15 @@ def parallel_problems(cfg: Config, responses: int) -> list[str]:
             "installed (it needs a CUDA GPU). Install it with `pip install 'reinforge[gpu]'`, or use "
             "sdpa."
         )
+    problems += tensor_parallel_problems(cfg)
+    tp = cfg.actor.tensor_model_parallel_size
+    replicas = n // tp if n % tp == 0 else n
     mini = cfg.actor.ppo_mini_batch_size or responses
-    if n > 1 and mini % n:
+    if replicas > 1 and mini % replicas:
         problems.append(
-            f"actor.ppo_mini_batch_size={mini}: each of the trainer.num_workers={n} workers takes an "
-            "equal part of a mini-batch, so it must be a multiple of num_workers."
+            f"actor.ppo_mini_batch_size={mini}: each of the {replicas} data-parallel replicas (trainer."
+            f"num_workers={n} / actor.tensor_model_parallel_size={tp}) takes an equal part of a mini-batch, "
+            "so it must be a multiple of their number."
         )
     budget = cfg.actor.ppo_max_token_len_per_worker
     if budget is not None and budget < cfg.actor.model.max_seq_len:
@@ -122,6 +126,37 @@ def parallel_problems(cfg: Config, responses: int) -> list[str]:
         )
     if t.min_workers > n:
         problems.append(f"trainer.min_workers={t.min_workers} is above trainer.num_workers={n}; lower it.")
+    return problems
+
+
+def tensor_parallel_problems(cfg: Config) -> list[str]:
+    """A tensor-parallel mesh that cannot be built: TP not dividing the workers, data parallelism across
+    TP replicas by anything but FSDP, and models the architecture's plan cannot split."""
+    t, tp = cfg.trainer, cfg.actor.tensor_model_parallel_size
+    if tp == 1:
+        return []
+    from components.training.tensor_parallel import plan_problems  # torch: only for a TP config
+
+    n, problems = t.num_workers, []
+    if n % tp:
+        return [
+            f"actor.tensor_model_parallel_size={tp} must divide trainer.num_workers={n} (workers = data "
+            f"parallel x tensor parallel); set trainer.num_workers to a multiple of {tp}."
+        ]
+    if n // tp > 1 and t.strategy != "fsdp":
+        problems.append(
+            f"trainer.strategy={t.strategy} with actor.tensor_model_parallel_size={tp} and {n // tp} "
+            "data-parallel replicas: only FSDP shards tensor-parallel (DTensor) parameters across replicas; "
+            "set trainer.strategy=fsdp."
+        )
+    if t.data_parallel_size is not None:
+        problems.append(
+            f"trainer.data_parallel_size={t.data_parallel_size} with actor.tensor_model_parallel_size={tp}: "
+            "the data-parallel size is trainer.num_workers / tensor_model_parallel_size; unset it."
+        )
+    problems += plan_problems(cfg.actor.model.path, tp)
+    if cfg.critic.model_path:
+        problems += plan_problems(cfg.critic.model_path, tp, "critic.model_path")
     return problems
 
 
@@ -151,10 +186,11 @@ def check_combinations(cfg: Config) -> None:
             f"engine.n={cfg.engine.n}: {what} compares completions of one prompt, so it needs engine.n >= 2."
         )
     responses = cfg.data.batch_size * cfg.engine.n
-    if responses % cfg.trainer.num_workers:
+    replicas = max(1, cfg.trainer.num_workers // cfg.actor.tensor_model_parallel_size)
+    if responses % replicas:
         problems.append(
             f"trainer.num_workers={cfg.trainer.num_workers}: data.batch_size x engine.n = {responses} "
-            "responses must split evenly across workers; change one of them."
+            f"responses must split evenly across the {replicas} data-parallel replicas; change one of them."
         )
     problems += parallel_problems(cfg, responses)
     mini = cfg.actor.ppo_mini_batch_size

@@ -138,6 +138,12 @@ class ActorConfig(Section):
         "padded tokens (rows sorted by length) instead of "
         "ppo_micro_batch_size rows; None = fixed count",
     )
+    tensor_model_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="workers that split each decoder layer's matmuls (DTensor tensor parallelism, the "
+        "architecture's own plan); trainer.num_workers = data parallel x this",
+    )
 
 
 class CriticConfig(Section):

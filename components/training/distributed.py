@@ -76,14 +76,16 @@ class Comm:
 
 
 class DistComm(Comm):
-    """The same collectives over the default process group (float64 all-reduce)."""
+    """The same collectives over a process group (float64 all-reduce): the default one, or with tensor
+    parallelism the data-parallel group of this worker (its TP peers hold the same rows)."""
 
-    def __init__(self) -> None:
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+    def __init__(self, group=None) -> None:
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
 
     def _reduce(self, values: list[float], op) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=op)
+        dist.all_reduce(t, op=op, group=self.group)
         return t.tolist()
 
     def sum(self, values: list[float]) -> list[float]:
@@ -96,8 +98,20 @@ class DistComm(Comm):
         return self._reduce([value], dist.ReduceOp.MIN)[0]
 
 
-def make_comm() -> Comm:
-    return DistComm() if dist.is_initialized() and dist.get_world_size() > 1 else Comm()
+def make_comm(group=None) -> Comm:
+    """The update loop's collectives over `group` (None: every worker); the no-op for a group of one."""
+    return DistComm(group) if dist.is_initialized() and dist.get_world_size(group) > 1 else Comm()
+
+
+def parallel_mesh(world_size: int, tensor_parallel_size: int, device: str):
+    """The (dp, tp) device mesh of a tensor-parallel group (TP peers on consecutive ranks, as on one node's
+    GPUs); None without tensor parallelism. Every rank must call it."""
+    if tensor_parallel_size == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp = world_size // tensor_parallel_size
+    return init_device_mesh(device, (dp, tensor_parallel_size), mesh_dim_names=("dp", "tp"))
 
 
 @dataclass(frozen=True)
@@ -114,6 +128,7 @@ class ParallelSettings:
     optimizer: Callable | None = (
         None  # params -> torch optimizer, for deepspeed to wrap (ours: actor.optimizer)
     )
+    mesh: object = None  # tensor parallelism's (dp, tp) DeviceMesh (parallel_mesh); None without it
 
 
 # strategy name -> (model, settings) -> wrapped model (built before its optimizer)
@@ -143,7 +158,9 @@ def wrap_fsdp(model: torch.nn.Module, s: ParallelSettings) -> torch.nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     device = next(model.parameters()).device.type
-    if s.data_parallel_size > 1:
+    if s.mesh is not None:  # tensor parallel inside each replica: shard over the data-parallel dimension
+        mesh = s.mesh["dp"]
+    elif s.data_parallel_size > 1:
         mesh = init_device_mesh(
             device,
             (s.data_parallel_size, s.world_size // s.data_parallel_size),
@@ -221,6 +238,19 @@ def gradient_sync(model: torch.nn.Module, enabled: bool):
         yield
 
 
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float):
+    """torch's clip_grad_norm_, or with tensor parallelism (parameters on several meshes, or DTensors beside
+    plain tensors) the same over every layout."""
+    from torch.distributed.tensor import DTensor
+
+    layouts = {p.device_mesh if isinstance(p, DTensor) else None for p in params}
+    if len(layouts) > 1:
+        from components.training.tensor_parallel import clip_grad_norm as mixed
+
+        return torch.tensor(mixed(params, max_norm))
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
 class TorchStep:
     """backward / clip / step with a torch optimizer (one process, DDP or FSDP), with optional fp16 loss
     scaling. One instance per mini-batch step."""
@@ -242,7 +272,7 @@ class TorchStep:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        norm = clip_grad_norm(params, self.grad_clip)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

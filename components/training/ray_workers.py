@@ -133,19 +133,26 @@ class PolicyGroup(Actors):
 
     role = "policy"
 
+    def __init__(self, actors: list, pids: list[int], timeout_s: float, tensor_parallel: int = 1):
+        super().__init__(actors, pids, timeout_s)
+        self.tensor_parallel = tensor_parallel  # consecutive ranks split one replica's layers
+
     def _all(self, what: str, call) -> list:
         return self.wait([call(a) for a in self.actors], what)
 
     def prepare(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
-        """Old/reference log-probs and values (verl's old_log_prob/ref/values stages): each worker computes a
-        token-balanced shard, joined back in row order."""
+        """Old/reference log-probs and values (verl's old_log_prob/ref/values stages): each data-parallel
+        replica computes a token-balanced shard (every TP worker of a replica the same one), joined back in
+        row order."""
         if len(self.actors) == 1:
             return self._all("prepare", lambda a: a.prepare.remote(batch))[0]
-        shards = balanced_shards(batch, len(self.actors))
+        tp = self.tensor_parallel
+        shards = balanced_shards(batch, len(self.actors) // tp)
+        parts = [ray.put(batch.select(s)) for s in shards] if tp > 1 else [batch.select(s) for s in shards]
         results = self.wait(
-            [a.prepare.remote(batch.select(s)) for a, s in zip(self.actors, shards)], "prepare"
+            [a.prepare.remote(parts[rank // tp]) for rank, a in enumerate(self.actors)], "prepare"
         )
-        return _join_prepared(results, shards)
+        return _join_prepared(results[::tp], shards)
 
     def _whole(self, batch: Batch):
         """The batch once in the object store for several workers (each takes its share of every mini-batch)."""
@@ -359,8 +366,14 @@ def workers_that_fit(plan: RunPlan) -> int:
         or [placement.num_workers]
     )
     mini = mini_batch or responses
+    tp = plan.policy.parallel.tensor_parallel_size  # the group shrinks by whole tensor-parallel replicas
     n = next(
-        (k for k in range(min(placement.num_workers, fits), 0, -1) if responses % k == 0 and mini % k == 0), 0
+        (
+            k
+            for k in range(min(placement.num_workers, fits), 0, -1)
+            if k % tp == 0 and responses % (k // tp) == 0 and mini % (k // tp) == 0
+        ),
+        0,
     )
     if n < placement.min_workers:
         raise RuntimeError(
@@ -394,7 +407,7 @@ def start_policy_group(
     backend = "nccl" if num_gpus else "gloo"
     specs = [GroupSpec(rank, n, addr, port, backend) for rank in range(n)]
     pids = ray.get([a.setup.remote(spec) for a, spec in zip(actors, specs)])  # surface start-up errors here
-    return PolicyGroup(actors, pids, timeout_s)
+    return PolicyGroup(actors, pids, timeout_s, settings.parallel.tensor_parallel_size)
 
 
 def policy_group(plan: RunPlan, n: int | None = None) -> PolicyGroup:

@@ -35,11 +35,13 @@ COMPRESSION_CODES = {
 
 
 def sharded_precision(s: PolicySettings, world_size: int) -> bool:
-    """Mixed precision done by FSDP's parameter dtype rather than by autocast."""
-    return s.mixed_precision.enabled and s.parallel.strategy == "fsdp" and world_size > 1
+    """Mixed precision done by FSDP's parameter dtype rather than by autocast (FSDP wraps the model when
+    there are several data-parallel replicas: workers / tensor_parallel_size)."""
+    data_parallel = world_size // s.parallel.tensor_parallel_size
+    return s.mixed_precision.enabled and s.parallel.strategy == "fsdp" and data_parallel > 1
 
 
-def parallel_settings(s: PolicySettings, world_size: int, ocfg=None) -> D.ParallelSettings:
+def parallel_settings(s: PolicySettings, world_size: int, ocfg=None, mesh=None) -> D.ParallelSettings:
     p, mem, o = s.parallel, s.memory, ocfg or s.optimizer
     dp = p.data_parallel_size or (1 if p.strategy == "fsdp" else world_size)
     return D.ParallelSettings(
@@ -51,6 +53,7 @@ def parallel_settings(s: PolicySettings, world_size: int, ocfg=None) -> D.Parall
         zero_stage=p.zero_stage,
         grad_clip=o.grad_clip,
         optimizer=lambda params: make_optimizer(params, o)[0],
+        mesh=mesh,
     )
 
 
@@ -116,7 +119,11 @@ class PolicyWorker:
     def setup(self, spec: D.GroupSpec) -> int:
         s = self.s
         D.join_group(spec)
-        self.rank, self.world_size, self.comm = spec.rank, spec.world_size, D.make_comm()
+        self.rank, self.world_size = spec.rank, spec.world_size
+        device = "cuda" if spec.backend == "nccl" else "cpu"
+        self.mesh = D.parallel_mesh(spec.world_size, s.parallel.tensor_parallel_size, device)
+        # the update loop's collectives span the data-parallel replicas: TP peers hold the same rows
+        self.comm = D.make_comm(self.mesh["dp"].get_group() if self.mesh is not None else None)
         m = s.model
         self.tokenizer = load_tokenizer(m.path)
         self.images = load_image_encoder(m.path, self.tokenizer)  # None for a text-only policy
@@ -155,8 +162,14 @@ class PolicyWorker:
             inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.world_size == 1:
             return model
+        if self.mesh is not None:
+            from components.training.tensor_parallel import parallelize
+
+            parallelize(model, self.mesh["tp"])
+            if self.mesh["dp"].size() == 1:
+                return model
         return D.STRATEGIES.get(self.s.parallel.strategy)(
-            model, parallel_settings(self.s, self.world_size, ocfg)
+            model, parallel_settings(self.s, self.world_size, ocfg, self.mesh)
         )
 
     def _make_critic(self, settings: UpdateSettings) -> CriticTrainer:
@@ -315,6 +328,13 @@ class PolicyWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def parameter_count(self) -> int:
+        """Parameter elements this worker holds (its shards under TP or FSDP; a tied weight once)."""
+        from torch.distributed.tensor import DTensor
+
+        params = {id(p): p for p in self.model.parameters()}.values()
+        return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
 
     def state(self) -> dict:
         return {"version": self.version, "steps": self.trainer.steps}

@@ -29,7 +29,10 @@ def scores(root: Path, run_id: str, key: str = "critic/score/mean") -> list[floa
     return [m.value for m in sorted(history, key=lambda m: m.step)]
 
 
-def test_two_fsdp_workers_learn_as_one(tmp_path, prefect_harness, ray_local):
+def test_tensor_parallel_workers_then_one_resuming_them_learn_as_one(tmp_path, prefect_harness, ray_local):
+    """Two tensor-parallel workers (the reference in its own actor, KL loss on) train part of the run, one
+    worker resumes it from their checkpoint: the rewards at every iteration and the final weights are one
+    uninterrupted worker's. (FSDP and DDP against one worker: tests/components/training/test_distributed.py.)"""
     from flows.train import train_flow
 
     # SGD: Adam's first steps are lr x sign(grad), so rounding noise in a near-zero gradient would move a weight
@@ -42,33 +45,30 @@ def test_two_fsdp_workers_learn_as_one(tmp_path, prefect_harness, ray_local):
     )
     with sft_ready(tmp_path, ITERATIONS, extra) as ov:
         one = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={tmp_path}/one"])
-        two = train_flow(
-            "configs/arith_grpo.yaml",
-            ov
-            + [
-                f"trainer.output_dir={tmp_path}/two",
-                "trainer.num_workers=2",
-                "trainer.strategy=fsdp",
-                "trainer.ref_placement=separate",
-            ],
-        )
-    s1, s2 = scores(tmp_path, one["run_id"]), scores(tmp_path, two["run_id"])
-    assert len(s1) == len(s2) == ITERATIONS
-    assert max(abs(a - b) for a, b in zip(s1, s2)) <= 1e-6, (
+        out = f"trainer.output_dir={tmp_path}/tp"
+        ref = "trainer.ref_placement=separate"
+        tp = ["trainer.num_workers=2", "actor.tensor_model_parallel_size=2", ref]
+        half = train_flow("configs/arith_grpo.yaml", ov + [out, *tp, f"trainer.iterations={ITERATIONS - 2}"])
+        resumed = train_flow("configs/arith_grpo.yaml", ov + [out, ref])  # one worker, from TP2's checkpoint
+    s1 = scores(tmp_path, one["run_id"])
+    # the finished TP2 run's iterations, then the resumed one's (a run extended past its end logs a new MLflow run)
+    s_tp = scores(tmp_path, half["run_id"]) + scores(tmp_path, resumed["run_id"])
+    assert resumed["run_id"] != half["run_id"] and len(s1) == len(s_tp) == ITERATIONS
+    assert max(abs(a - b) for a, b in zip(s1, s_tp)) <= 1e-6, (
         s1,
-        s2,
+        s_tp,
     )  # the same rollouts, iteration by iteration
     from components.models import load_model
 
     w1 = dict(load_model(one["final_model"]).named_parameters())
-    w2 = dict(load_model(two["final_model"]).named_parameters())
+    w_tp = dict(load_model(resumed["final_model"]).named_parameters())
     moved = max(float((w1[k] - w0).abs().max()) for k, w0 in load_model(tmp_path / "sft").named_parameters())
-    assert moved > 1e-3 and max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-4
-    kl = scores(tmp_path, two["run_id"], "actor/kl_loss")
-    assert len(kl) == ITERATIONS and kl[-1] > 0
+    assert moved > 1e-3 and max(float((w1[k] - w_tp[k]).abs().max()) for k in w1) < 1e-4
+    kl = scores(tmp_path, half["run_id"], "actor/kl_loss")
+    assert len(kl) == ITERATIONS - 2 and kl[-1] > 0
     assert (
-        len(scores(tmp_path, two["run_id"], "timing_s/ref")) == ITERATIONS
-    )  # the reference in its own actor
+        len(scores(tmp_path, half["run_id"], "timing_s/ref")) == ITERATIONS - 2
+    )  # the reference's own actor
 
 
 def _free_port() -> int:

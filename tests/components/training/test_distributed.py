@@ -59,9 +59,9 @@ def assert_same(a: dict, b: dict, atol: float) -> None:
     assert worst <= atol, f"largest parameter difference {worst:.2e} > {atol:g}"
 
 
-# plain fsdp on two workers is checked against one worker over a whole run in tests/flows/test_multi_worker.py;
-# ddp here is the case with mini-batches, epochs and packed micro-batches (plain ddp: the powersgd test below)
-@pytest.mark.parametrize("strategy", ["fsdp-hybrid", "ddp-minibatches-tokens"])
+# ddp here is the case with mini-batches, epochs and packed micro-batches (plain ddp: the powersgd test below);
+# tensor parallelism over a whole run through the flow: tests/flows/test_multi_worker.py
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp-hybrid", "ddp-minibatches-tokens"])
 def test_two_workers_update_like_one(ray_up, tiny_model_dir, tokenizer, strategy):
     extra = ["trainer.strategy=" + strategy.split("-")[0]]
     if strategy.endswith(
@@ -84,6 +84,96 @@ def test_two_workers_update_like_one(ray_up, tiny_model_dir, tokenizer, strategy
     assert max(float((one[k] - INITIAL[k]).abs().max()) for k in one) > 1e-3  # the update moved the weights
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
         assert abs(m1[0][key] - m2[0][key]) <= 1e-4 * max(1.0, abs(m1[0][key])), (key, m1[0][key], m2[0][key])
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        pytest.param(("2", "1", []), id="tp2"),
+        pytest.param(("2", "2", ["trainer.strategy=fsdp"]), id="tp2xdp2", marks=pytest.mark.slow),
+    ],
+)
+def test_tensor_parallel_updates_like_one_worker(ray_up, tiny_model_dir, tokenizer, mesh):
+    """Tensor parallel (DTensor, the architecture's own plan; with FSDP over the data-parallel replicas):
+    two PPO epochs over two mini-batches with micro-batches packed to a token budget, then a second update,
+    give one worker's parameters within 1e-5, and the same loss, entropy and gradient norm."""
+    tp, dp, extra = mesh
+    loop = [
+        "actor.ppo_mini_batch_size=4",
+        "actor.ppo_epochs=2",
+        "actor.ppo_max_token_len_per_worker=20",
+        "actor.model.max_seq_len=20",
+        "data.max_prompt_len=4",
+        "engine.max_new_tokens=8",
+    ]
+    n = int(tp) * int(dp)
+    one, m1 = one_update(config(tiny_model_dir, *loop), tokenizer, 1, 2)
+    split, m2 = one_update(
+        config(
+            tiny_model_dir,
+            *loop,
+            *extra,
+            f"trainer.num_workers={n}",
+            f"actor.tensor_model_parallel_size={tp}",
+        ),
+        tokenizer,
+        n,
+        2,
+    )
+    assert_same(one, split, 1e-5)
+    assert max(float((one[k] - INITIAL[k]).abs().max()) for k in one) > 1e-3
+    for step in range(2):
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+            a, b = m1[step][key], m2[step][key]
+            assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (step, key, a, b)
+
+
+@pytest.mark.parametrize(
+    "layout", [["actor.tensor_model_parallel_size=2"], ["trainer.strategy=fsdp"]], ids=["tp2", "fsdp2"]
+)
+def test_a_sharded_groups_checkpoint_reshards_to_one_worker_and_back(
+    ray_up, tiny_model_dir, tokenizer, tmp_path, layout
+):
+    """A checkpoint written by 2 workers that split the model (tensor parallel, or FSDP; AdamW: moments to
+    restore) holds whole tensors: one worker loads it and writes it back bit-identical, and so does a group of
+    2; its weights are what the group serves to the rollout engine, and each worker of the group holds less
+    of the model than one worker does."""
+    from safetensors.torch import load_file
+
+    adam = ["actor.optimizer.type=adamw", "actor.optimizer.lr=1e-3"]
+    tp_cfg = config(tiny_model_dir, *adam, "trainer.num_workers=2", *layout)
+    one_cfg = config(tiny_model_dir, *adam)
+    tp = policy_group(make_plan(tp_cfg), 2)
+    try:
+        tp.update(synthetic_batch(tokenizer, seed=0))
+        tp.write_checkpoint(str(tmp_path / "tp2"), True)
+        served = ray.get([a.get_weights.remote() for a in tp.actors])[0][0]
+        held = ray.get([a.parameter_count.remote() for a in tp.actors])
+        tp.load_checkpoint(str(tmp_path / "tp2"))
+        tp.write_checkpoint(str(tmp_path / "tp2_again"), True)
+    finally:
+        tp.stop()
+    one = policy_group(make_plan(one_cfg), 1)
+    try:
+        one.load_checkpoint(str(tmp_path / "tp2"))
+        one.write_checkpoint(str(tmp_path / "one"), True)
+        whole = ray.get(one.actors[0].parameter_count.remote())
+    finally:
+        one.stop()
+    from components.models import load_model
+
+    # the model as loaded (a tied head is one tensor, however the writer stored it), the optimizer as stored
+    saved = load_model(tmp_path / "tp2" / "model").state_dict()
+    for other in ("one", "tp2_again"):
+        b = load_model(tmp_path / other / "model").state_dict()
+        assert saved.keys() == b.keys() and all(torch.equal(saved[k], b[k]) for k in saved), other
+        a, b = (load_file(tmp_path / d / "optimizer.safetensors") for d in ("tp2", other))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), other
+    assert all(torch.equal(served[k], saved[k]) for k in saved)
+    assert all(h < whole for h in held) and sum(held) >= whole, (
+        held,
+        whole,
+    )  # split (TP: norms whole on each)
 
 
 def test_shards_are_token_balanced_with_equal_rows(tokenizer):
