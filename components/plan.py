@@ -62,6 +62,7 @@ class PolicySettings:
     seed: int = 0
     num_threads: int = 2
     rollout: RolloutSettings | None = None  # colocated: policy worker 0 also serves the rollout engine
+    checkpoint_format: str = "full"  # trainer.checkpoint_format: full (gathered on rank 0) or sharded
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,7 @@ def make_plan(cfg: Config) -> RunPlan:
         seed=t.seed,
         num_threads=t.num_threads,
         rollout=rollout,
+        checkpoint_format=t.checkpoint_format,
     )
     reference = (
         ReferenceSettings(m, e.temperature or 1.0, cfg.actor.ppo_micro_batch_size, t.num_threads)

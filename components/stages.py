@@ -112,6 +112,7 @@ STAGES: dict[str, StageKeys] = {
             "trainer.max_checkpoints_to_keep",
             "trainer.num_threads",
             "trainer.save_optimizer",
+            "trainer.checkpoint_format",
             "trainer.stage_timeout_s",
             "trainer.connect_timeout_s",
             "trainer.max_worker_rebuilds",

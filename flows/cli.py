@@ -17,6 +17,7 @@ COMMANDS = {
     "reward-model": ("flows.reward_model", "train a tiny reward model on arithmetic preference pairs", []),
     "nightly": ("flows.nightly", "data, train, evaluate, register if better", []),
     "deploy": ("flows.deploy_cli", "turn pipelines.yaml into Prefect deployments", []),
+    "convert": ("flows.convert", "Hugging Face model <-> sharded model or checkpoint (model merger)", []),
 }
 
 

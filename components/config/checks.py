@@ -86,6 +86,12 @@ def parallel_problems(cfg: Config, responses: int) -> list[str]:
             "trainer.strategy=deepspeed: package `deepspeed` is not installed. Install it with "
             "`pip install 'reinforge[gpu]'`, or set trainer.strategy=fsdp (ships with torch)."
         )
+    if t.strategy == "deepspeed" and t.checkpoint_format == "sharded":
+        problems.append(
+            "trainer.checkpoint_format=sharded with trainer.strategy=deepspeed: DeepSpeed's engine keeps its own "
+            "partitions, which reinforge does not shard into its checkpoints; set "
+            "trainer.checkpoint_format=full, or use trainer.strategy=fsdp."
+        )
     if t.strategy == "deepspeed" and n > 1 and t.save_optimizer:
         problems.append(
             "trainer.strategy=deepspeed with trainer.save_optimizer=true: reinforge does not gather "

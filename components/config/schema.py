@@ -421,6 +421,12 @@ class TrainerConfig(Section):
         description="resume_mode=<checkpoint> of another configuration: "
         "continue it anyway (in a new run directory)",
     )
+    checkpoint_format: Literal["full", "sharded"] = Field(
+        "full",
+        description="full: rank 0 gathers the model (HF format) and optimizer; sharded: every worker writes its "
+        "own shards at once (torch.distributed.checkpoint, safetensors). Either resumes under any worker "
+        "layout; `reinforge convert` turns a sharded checkpoint into a Hugging Face directory",
+    )
     when_finished: Literal["stop", "retrain"] = Field(
         "stop",
         description="resume_mode=auto when this configuration's "

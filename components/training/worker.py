@@ -18,6 +18,7 @@ from components.errors import CheckpointError
 from components.models.loading import load_image_encoder, load_model, load_tokenizer, save_pretrained
 from components.outputs import MODEL
 from components.plan import PolicySettings, ReferenceSettings
+from components.tracking import sharded as S
 from components.tracking.checkpoints import load_optimizer, save_optimizer
 from components.training import distributed as D
 from components.training.actor import PolicyTrainer, UpdateSettings
@@ -27,6 +28,7 @@ from components.training.optim import freeze_vision, make_optimizer, make_schedu
 from components.training.seeding import seed_everything
 
 MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PART_DIRS = {"actor": "model", "critic": "critic"}  # where a sharded checkpoint keeps each part's weights
 COMPRESSION_CODES = {
     "none": 0,
     "fp16": 1,
@@ -253,17 +255,26 @@ class PolicyWorker:
         return D.full_optimizer_state(part.model, part.optimizer)
 
     def write_checkpoint(self, out: str, with_optimizer: bool = True) -> None:
-        """A checkpoint into the (temporary) directory `out`: rank 0 writes the model (HF format), the whole
-        optimizer and scheduler state (gathered from every worker, in one format whatever their number), step
-        counters, weights version, the critic and its RNG states; rank r > 0 its RNG states (rng_rank<r>.json:
-        with workers on several nodes, trainer.output_dir must be shared storage). Every rank must be called."""
+        """A checkpoint into the (temporary) directory `out`. Full format: rank 0 writes the model (HF format),
+        the whole optimizer state (gathered from every worker, in one format whatever their number) and the
+        critic. Sharded format (trainer.checkpoint_format=sharded): every rank writes its own shards of them
+        at once (components/tracking/sharded.py), rank 0 the model's config and tokenizer beside them. Then
+        rank 0 writes the scheduler, step counters, weights version and its RNG states, rank r > 0 its RNG
+        states (rng_rank<r>.json: with workers on several nodes, trainer.output_dir must be shared storage).
+        Every rank must be called."""
         out = Path(out)
-        self.save_model(str(out / "model"))
-        parts = [
-            (name, part, opt_file, self._optimizer_state(part) if with_optimizer else None)
-            for name, part, opt_file in self._trained_parts()
-        ]
-        critic = D.full_model_state(self.critic.model) if self.critic is not None else None
+        sharded = self.s.checkpoint_format == "sharded"
+        if sharded:
+            self._write_shards(out, with_optimizer)
+            parts = [(name, part, opt_file, None) for name, part, opt_file in self._trained_parts()]
+            critic = None
+        else:
+            self.save_model(str(out / "model"))
+            parts = [
+                (name, part, opt_file, self._optimizer_state(part) if with_optimizer else None)
+                for name, part, opt_file in self._trained_parts()
+            ]
+            critic = D.full_model_state(self.critic.model) if self.critic is not None else None
         if self.rank > 0:
             (out / f"rng_rank{self.rank}.json").write_text(
                 json.dumps({"rng": rng_state(), "torch": torch.get_rng_state().tolist()})
@@ -276,38 +287,62 @@ class PolicyWorker:
             state[name] = {"steps": part.steps, "scheduler": part.scheduler.state_dict()}
         if critic is not None:
             # cloned: a VLM critic keeps its LM's tied embedding and head, which safetensors will not store as one
-            tensors = {k: v.detach().clone().contiguous() for k, v in critic.items()}
-            save_file(tensors, out / "critic.safetensors")
+            critic_tensors = {k: v.detach().clone().contiguous() for k, v in critic.items()}
+            save_file(critic_tensors, out / "critic.safetensors")
         save_file(tensors, out / "worker.safetensors")
         (out / "worker.json").write_text(json.dumps(state, sort_keys=True))
 
+    def _write_shards(self, out: Path, with_optimizer: bool) -> None:
+        """Every rank's shards of each trained part (model and optimizer); rank 0 also the model's config,
+        tokenizer and processor, so the checkpoint's model directory describes the model (convert, resume
+        checks) without a gathered copy of its weights."""
+        for name, part, opt_file in self._trained_parts():
+            S.save_shards(S.model_shards(part.model), out / PART_DIRS[name] / S.SHARDS)
+            if with_optimizer:
+                S.save_optimizer_shards(part.model, part.optimizer, out / opt_file, self.rank)
+        if self.rank == 0:
+            D.unwrap(self.model).config.save_pretrained(out / "model")
+            self.tokenizer.save_pretrained(out / "model")
+            if self.images is not None:
+                self.images.processor.save_pretrained(out / "model")
+
     def load_checkpoint(self, path: str) -> int:
-        """Restore everything write_checkpoint wrote (the caller verified the manifest); returns the version."""
+        """Restore everything write_checkpoint wrote, in either format and whatever layout wrote it (the
+        caller verified the manifest); returns the version."""
         ckpt = Path(path)
         state = json.loads((ckpt / "worker.json").read_text())
-        loaded = load_model(
-            ckpt / "model",
-            self.s.model.dtype,
-            self.s.model.attention_implementation,
-            key=f"checkpoint {ckpt}",
-            safetensors_only=True,
-        )
-        self._load_weights(self.model, loaded.state_dict())
+        sharded = S.is_sharded(ckpt)
+        if sharded:
+            S.load_model_shards(self.model, ckpt / "model" / S.SHARDS)
+        else:
+            loaded = load_model(
+                ckpt / "model",
+                self.s.model.dtype,
+                self.s.model.attention_implementation,
+                key=f"checkpoint {ckpt}",
+                safetensors_only=True,
+            )
+            self._load_weights(self.model, loaded.state_dict())
         for name, part, opt_file in self._trained_parts():
-            opt = load_optimizer(ckpt, opt_file)
-            if opt is None:
-                raise CheckpointError(
-                    f"{ckpt} has no {name} optimizer state (saved with trainer.save_optimizer="
-                    "false), so a resume would not be exact. Start fresh with "
-                    "trainer.resume_mode=disable."
-                )
-            if self.world_size == 1:
-                part.optimizer.load_state_dict(opt)
+            if sharded and (ckpt / opt_file / S.SHARDS).is_dir():
+                S.load_optimizer_shards(part.model, part.optimizer, ckpt / opt_file)
             else:
-                D.load_full_optimizer_state(part.model, part.optimizer, opt)
+                opt = None if sharded else load_optimizer(ckpt, opt_file)
+                if opt is None:
+                    raise CheckpointError(
+                        f"{ckpt} has no {name} optimizer state (saved with trainer.save_optimizer="
+                        "false), so a resume would not be exact. Start fresh with "
+                        "trainer.resume_mode=disable."
+                    )
+                if self.world_size == 1:
+                    part.optimizer.load_state_dict(opt)
+                else:
+                    D.load_full_optimizer_state(part.model, part.optimizer, opt)
             part.scheduler.load_state_dict(state[name]["scheduler"])
             part.steps = state[name]["steps"]
-        if self.critic is not None:
+        if self.critic is not None and sharded:
+            S.load_model_shards(self.critic.model, ckpt / PART_DIRS["critic"] / S.SHARDS)
+        elif self.critic is not None:
             self._load_weights(self.critic.model, load_file(ckpt / "critic.safetensors"))
         own = ckpt / f"rng_rank{self.rank}.json"
         if self.rank == 0:

@@ -30,9 +30,10 @@ def scores(root: Path, run_id: str, key: str = "critic/score/mean") -> list[floa
 
 
 def test_tensor_parallel_workers_then_one_resuming_them_learn_as_one(tmp_path, prefect_harness, ray_local):
-    """Two tensor-parallel workers (the reference in its own actor, KL loss on) train part of the run, one
-    worker resumes it from their checkpoint: the rewards at every iteration and the final weights are one
-    uninterrupted worker's. (FSDP and DDP against one worker: tests/components/training/test_distributed.py.)"""
+    """Two tensor-parallel workers (the reference in its own actor, KL loss on, sharded checkpoints) train part
+    of the run, one worker resumes it from their checkpoint: the rewards at every iteration and the final
+    weights are one uninterrupted worker's. (FSDP and DDP against one worker:
+    tests/components/training/test_distributed.py.)"""
     from flows.train import train_flow
 
     # SGD: Adam's first steps are lr x sign(grad), so rounding noise in a near-zero gradient would move a weight
@@ -47,7 +48,8 @@ def test_tensor_parallel_workers_then_one_resuming_them_learn_as_one(tmp_path, p
         one = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={tmp_path}/one"])
         out = f"trainer.output_dir={tmp_path}/tp"
         ref = "trainer.ref_placement=separate"
-        tp = ["trainer.num_workers=2", "actor.tensor_model_parallel_size=2", ref]
+        sharded = "trainer.checkpoint_format=sharded"  # each TP worker writes its shards, the one reads all
+        tp = ["trainer.num_workers=2", "actor.tensor_model_parallel_size=2", ref, sharded]
         half = train_flow("configs/arith_grpo.yaml", ov + [out, *tp, f"trainer.iterations={ITERATIONS - 2}"])
         resumed = train_flow("configs/arith_grpo.yaml", ov + [out, ref])  # one worker, from TP2's checkpoint
     s1 = scores(tmp_path, one["run_id"])
@@ -66,9 +68,10 @@ def test_tensor_parallel_workers_then_one_resuming_them_learn_as_one(tmp_path, p
     assert moved > 1e-3 and max(float((w1[k] - w_tp[k]).abs().max()) for k in w1) < 1e-4
     kl = scores(tmp_path, half["run_id"], "actor/kl_loss")
     assert len(kl) == ITERATIONS - 2 and kl[-1] > 0
-    assert (
-        len(scores(tmp_path, half["run_id"], "timing_s/ref")) == ITERATIONS - 2
-    )  # the reference's own actor
+    assert len(scores(tmp_path, half["run_id"], "timing_s/ref")) == ITERATIONS - 2  # the reference's actor
+    (run,) = (tmp_path / "tp" / "runs").iterdir()
+    shards = run / "checkpoints" / f"iter_{ITERATIONS - 2:06d}" / "model" / "shards"
+    assert len(list(shards.glob("*.safetensors"))) == 2  # by both TP workers, verified by the manifest
 
 
 def _free_port() -> int:

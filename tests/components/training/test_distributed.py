@@ -176,6 +176,56 @@ def test_a_sharded_groups_checkpoint_reshards_to_one_worker_and_back(
     )  # split (TP: norms whole on each)
 
 
+def test_a_sharded_checkpoint_is_written_by_every_worker_and_read_by_any_layout(
+    ray_up, tiny_model_dir, tokenizer, tmp_path
+):
+    """trainer.checkpoint_format=sharded: two tensor-parallel workers each write their shards (safetensors);
+    one worker reads them (resharding) and a TP2 group reads them back, and both then hold exactly the trained
+    weights and the same optimizer state."""
+    from safetensors.torch import load_file
+
+    from components.models import load_model
+
+    common = ["actor.optimizer.type=adamw", "actor.optimizer.lr=1e-3"]
+    tp = ["trainer.num_workers=2", "actor.tensor_model_parallel_size=2"]
+    group = policy_group(
+        make_plan(config(tiny_model_dir, *common, *tp, "trainer.checkpoint_format=sharded")), 2
+    )
+    try:
+        group.update(synthetic_batch(tokenizer, seed=0))
+        group.write_checkpoint(str(tmp_path / "sharded"), True)
+        trained = ray.get([a.get_weights.remote() for a in group.actors])[0][0]
+        group.load_checkpoint(str(tmp_path / "sharded"))
+        group.write_checkpoint(str(tmp_path / "sharded_again"), True)
+    finally:
+        group.stop()
+    shards = sorted(p.name for p in (tmp_path / "sharded" / "model" / "shards").glob("*.safetensors"))
+    assert len(shards) == 2, shards  # one file per worker
+    assert not (tmp_path / "sharded" / "model" / "model.safetensors").exists()  # no gathered copy
+    # the full checkpoints these load into: one worker (resharded), and TP2 from its own sharded one
+    outs = {}
+    for name, n, layout, source in (("one", 1, [], "sharded"), ("tp2", 2, tp, "sharded_again")):
+        g = policy_group(make_plan(config(tiny_model_dir, *common, *layout)), n)
+        try:
+            g.load_checkpoint(str(tmp_path / source))
+            g.write_checkpoint(str(tmp_path / f"{name}_full"), True)
+        finally:
+            g.stop()
+        outs[name] = (
+            load_model(tmp_path / f"{name}_full" / "model").state_dict(),
+            load_file(tmp_path / f"{name}_full" / "optimizer.safetensors"),
+        )
+    (m1, o1), (m2, o2) = outs["one"], outs["tp2"]
+    assert m1.keys() == m2.keys() and all(torch.equal(m1[k], m2[k]) for k in m1)
+    assert o1.keys() == o2.keys() and all(torch.equal(o1[k], o2[k]) for k in o1)
+    assert all(torch.equal(m1[k], trained[k]) for k in m1)  # exactly the trained weights
+    from components.models.convert import to_hf
+
+    merged = load_model(to_hf(tmp_path / "sharded", tmp_path / "merged")).state_dict()  # the model merger
+    assert merged.keys() == m1.keys() and all(torch.equal(merged[k], m1[k]) for k in m1)
+    assert max(float((m1[k] - INITIAL[k]).abs().max()) for k in m1) > 1e-4
+
+
 def test_shards_are_token_balanced_with_equal_rows(tokenizer):
     b = synthetic_batch(tokenizer, n=8)
     shards = balanced_shards(b, 2)
