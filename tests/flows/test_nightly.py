@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect_api):
-    ov = small_overrides(tmp_path, iterations=6) + ["trainer.save_interval=1"]
+    ov = small_overrides(tmp_path, iterations=4) + ["trainer.save_interval=1"]
     env = {
         **os.environ,
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db",
@@ -55,7 +55,7 @@ def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(res.stdout[res.stdout.index("{") :])
     assert result["train"]["run_id"] == run_id  # the crashed run was continued, not started over
-    assert (ckpts / "latest").read_text().strip() == "iter_000006"
+    assert (ckpts / "latest").read_text().strip() == "iter_000004"
     # its model is version 1 of the registered model, the champion, pointing at the logged model (never at files
     # a later nightly could rewrite)
     assert result["registry"]["version"] == "1" and result["registry"]["alias"] == "champion"
