@@ -44,6 +44,15 @@ def one_update(cfg, tokenizer, n: int, steps: int = 1) -> tuple[dict[str, torch.
 
 
 INITIAL: dict[str, torch.Tensor] = {}
+# 2 epochs x 2 mini-batches, micro-batches packed to a 20-token budget
+PPO_LOOP = [
+    "actor.ppo_mini_batch_size=4",
+    "actor.ppo_epochs=2",
+    "actor.ppo_max_token_len_per_worker=20",
+    "actor.model.max_seq_len=20",
+    "data.max_prompt_len=4",
+    "engine.max_new_tokens=8",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -64,17 +73,8 @@ def assert_same(a: dict, b: dict, atol: float) -> None:
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp-hybrid", "ddp-minibatches-tokens"])
 def test_two_workers_update_like_one(ray_up, tiny_model_dir, tokenizer, strategy):
     extra = ["trainer.strategy=" + strategy.split("-")[0]]
-    if strategy.endswith(
-        "minibatches-tokens"
-    ):  # 2 epochs x 2 mini-batches, micro-batches packed to 20 tokens
-        extra += [
-            "actor.ppo_mini_batch_size=4",
-            "actor.ppo_epochs=2",
-            "actor.ppo_max_token_len_per_worker=20",
-            "actor.model.max_seq_len=20",
-            "data.max_prompt_len=4",
-            "engine.max_new_tokens=8",
-        ]
+    if strategy.endswith("minibatches-tokens"):
+        extra += PPO_LOOP
     n, group = 2, ["trainer.num_workers=2"]
     if strategy == "fsdp-hybrid":  # 2 replicas, each sharded over 2 workers
         n, group = 4, ["trainer.num_workers=4", "trainer.data_parallel_size=2"]
@@ -98,14 +98,7 @@ def test_tensor_parallel_updates_like_one_worker(ray_up, tiny_model_dir, tokeniz
     two PPO epochs over two mini-batches with micro-batches packed to a token budget, then a second update,
     give one worker's parameters within 1e-5, and the same loss, entropy and gradient norm."""
     tp, dp, extra = mesh
-    loop = [
-        "actor.ppo_mini_batch_size=4",
-        "actor.ppo_epochs=2",
-        "actor.ppo_max_token_len_per_worker=20",
-        "actor.model.max_seq_len=20",
-        "data.max_prompt_len=4",
-        "engine.max_new_tokens=8",
-    ]
+    loop = PPO_LOOP
     n = int(tp) * int(dp)
     one, m1 = one_update(config(tiny_model_dir, *loop), tokenizer, 1, 2)
     split, m2 = one_update(
