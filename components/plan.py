@@ -195,7 +195,7 @@ def make_plan(cfg: Config) -> RunPlan:
         ),
         critic=cfg.critic if algo.needs_critic else None,
         reference=algo.needs_reference and t.ref_placement == "colocate",
-        need_old=a.use_kl_in_reward,
+        need_old=a.use_kl_in_reward or algo.rollout_correction != "none",  # the correction's target
         seed=t.seed,
         num_threads=t.num_threads,
         rollout=rollout,

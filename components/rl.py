@@ -12,6 +12,7 @@ import torch
 
 from components.algorithms.advantages import ADVANTAGES, AdvantageParams
 from components.algorithms.losses import explained_variance
+from components.algorithms.rollout_correction import correct_advantages
 from components.algorithms.shaping import informative_groups, kl_in_reward, overlong_penalty
 from components.batch import Batch
 from components.errors import RewardError
@@ -178,6 +179,16 @@ def add_advantages(
     adv, returns = ADVANTAGES.get(algo.adv_estimator)(token_rewards, mask, group_ids, values, params)
     on = mask.bool()
     metrics.update({**_stats("critic/advantages", adv[on]), **_stats("critic/returns", returns[on])})
+    if algo.rollout_correction != "none":  # the engine sampled; the trainer's old log-probs are the target
+        adv, corr = correct_advantages(
+            adv,
+            t["old_logprobs"],
+            t["rollout_logprobs"],
+            mask,
+            algo.rollout_correction,
+            algo.rollout_correction_cap,
+        )
+        metrics.update(corr)
     if "values" in t:
         metrics.update(
             {

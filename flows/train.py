@@ -138,7 +138,7 @@ def iteration(run: Run) -> dict[str, float]:
     else:
         batch, m_reward = collect(run, timer)
         run.scored = (it, batch, m_reward, run.sampler.state_dict())
-    if plan.algorithm.needs_critic or run.kl_ctrl is not None or workers.reference is not None:
+    if plan.algorithm.needs_critic or plan.policy.need_old or workers.reference is not None:
         batch, t_prep = prepare_batch(workers, batch)
         timer.seconds.update(t_prep)
     batch, m_adv = timer("adv", compute_advantages, batch, plan, run.kl_ctrl.value if run.kl_ctrl else None)

@@ -66,6 +66,10 @@ class ResolvedAlgorithm:
     needs_critic: bool  # the estimator needs critic values
     needs_baseline: bool  # the rollout stage samples a greedy baseline completion per prompt
     grouped: bool  # the estimator compares completions of one prompt
+    rollout_correction: str = (
+        "none"  # algorithm.rollout_correction.mode (components/algorithms/rollout_correction)
+    )
+    rollout_correction_cap: float = 2.0
 
 
 def resolve(cfg: AlgorithmConfig) -> ResolvedAlgorithm:
@@ -87,6 +91,11 @@ def resolve(cfg: AlgorithmConfig) -> ResolvedAlgorithm:
                 f"algorithm.{key}={kind}: unknown KL estimator. Valid names: "
                 f"{', '.join(KL_ESTIMATORS.names())} (add `+` for the straight-through form)."
             )
+    correction = cfg.rollout_correction.mode
+    if correction != "none":
+        from components.algorithms.rollout_correction import ROLLOUT_CORRECTIONS
+
+        ROLLOUT_CORRECTIONS.get(correction)  # KeyError naming the key and the valid modes
     use_kl_loss = cfg.use_kl_loss if cfg.use_kl_loss is not None else cfg.kl_loss_coef > 0
     use_kl_loss = use_kl_loss and cfg.kl_loss_coef > 0
     return ResolvedAlgorithm(
@@ -97,4 +106,6 @@ def resolve(cfg: AlgorithmConfig) -> ResolvedAlgorithm:
         needs_critic=bool(info.get("needs_values")),
         needs_baseline=bool(info.get("needs_baseline")),
         grouped=bool(info.get("grouped")),
+        rollout_correction=correction,
+        rollout_correction_cap=cfg.rollout_correction.cap,
     )

@@ -18,6 +18,18 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class RolloutCorrectionConfig(Section):
+    """Off-policy correction between the rollout engine's and the trainer's log-probs
+    (components/algorithms/rollout_correction.py)."""
+
+    mode: str = Field(
+        "none",
+        description="none, tis / mis (token-level truncated / masked importance sampling), seq_tis / seq_mis "
+        "(sequence level)",
+    )
+    cap: float = Field(2.0, gt=1, description="truncation cap, and the masked modes' band [1/cap, cap]")
+
+
 class AlgorithmConfig(Section):
     """Keys left as None take the preset's value (components/algorithms/presets.py); any key overrides it."""
 
@@ -63,6 +75,9 @@ class AlgorithmConfig(Section):
     kl_target: float = Field(0.1, gt=0, description="adaptive controller: target KL per token")
     kl_horizon: int = Field(10000, ge=1, description="adaptive controller: horizon in samples")
     entropy_coeff: float = Field(0.0, ge=0, description="entropy bonus coefficient")
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig, description="engine vs trainer off-policy correction"
+    )
     dynamic_sampling: bool | None = Field(
         None, description="DAPO: drop groups with all-equal rewards and refill; None = preset"
     )

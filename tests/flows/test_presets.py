@@ -28,6 +28,12 @@ OWN_METRICS = {
     "dapo": ["dynamic_sampling/groups_kept", "dynamic_sampling/gen_rounds", "reward/overlong_penalty_mean"],
     "remax": ["reward/greedy_baseline_mean"],
     "grpo": ["actor/kl_loss", "actor/kl_coef"],
+    "rloo": [
+        "rollout_corr/weight_mean",
+        "rollout_corr/weight_max",
+        "rollout_corr/changed_frac",
+        "rollout_corr/seq_weight_mean",
+    ],
 }
 EXTRA = {  # exercise the KL paths too: in the reward (adaptive) with PPO, in the loss with GRPO
     "ppo": [
@@ -37,6 +43,7 @@ EXTRA = {  # exercise the KL paths too: in the reward (adaptive) with PPO, in th
         "actor.ppo_epochs=2",
     ],
     "grpo": ["algorithm.kl_loss_coef=0.04"],
+    "rloo": ["algorithm.rollout_correction.mode=tis"],  # engine vs trainer correction, in a sync run
 }
 
 
@@ -76,3 +83,7 @@ def test_preset_trains_without_nan(shared_start, preset):
     ] + OWN_METRICS.get(preset, []):
         steps = sorted(m.step for m in client.get_metric_history(info["run_id"], key))
         assert steps == list(range(1, ITERATIONS + 1)), (key, steps)
+    if "rollout_corr/weight_mean" in metrics:  # the hf engine samples with the trainer's own weights: w = 1
+        assert (
+            abs(metrics["rollout_corr/weight_mean"] - 1) < 1e-4 and metrics["rollout_corr/changed_frac"] == 0
+        )
