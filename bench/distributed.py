@@ -100,6 +100,11 @@ SETTINGS = [  # (name, workers, overrides)
         4,
         ["actor.tensor_model_parallel_size=2", "trainer.strategy=fsdp"],
     ),
+    (
+        "2 workers pipeline parallel (pp2, 1f1b, 4 micro-batches)",
+        2,
+        ["actor.pipeline_model_parallel_size=2", "actor.pipeline_microbatches=4"],
+    ),
 ]
 
 

@@ -122,6 +122,9 @@ STAGES: dict[str, StageKeys] = {
             # does not depend on it, so a group rebuilt smaller resumes the run
             "trainer.num_workers",
             "actor.tensor_model_parallel_size",
+            "actor.pipeline_model_parallel_size",
+            "actor.pipeline_microbatches",
+            "actor.pipeline_schedule",
             "trainer.strategy",
             "trainer.data_parallel_size",
             "trainer.zero_stage",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -166,6 +167,39 @@ def tensor_parallel_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def pipeline_problems(cfg: Config, needs_critic: bool) -> list[str]:
+    """What this version's pipeline parallelism cannot do yet, and a pipeline deeper than the model."""
+    pp, t = cfg.actor.pipeline_model_parallel_size, cfg.trainer
+    if pp == 1:
+        return []
+    key = f"actor.pipeline_model_parallel_size={pp}"
+    problems = []
+    if t.num_workers != pp:
+        problems.append(
+            f"{key} with trainer.num_workers={t.num_workers}: this version runs one pipeline (no data "
+            f"parallelism across pipelines yet); set trainer.num_workers={pp}."
+        )
+    unsupported = {
+        "actor.tensor_model_parallel_size > 1": cfg.actor.tensor_model_parallel_size > 1,
+        "a critic (adv_estimator gae)": needs_critic,
+        "trainer.checkpoint_format=sharded": t.checkpoint_format == "sharded",
+        "mixed_precision.enabled": cfg.mixed_precision.enabled,
+        "actor.model.type=multimodal": cfg.actor.model.type == "multimodal",
+    }
+    for what, present in unsupported.items():
+        if present:
+            problems.append(f"{key} with {what} is not supported in this version; set one of them back.")
+    config = Path(cfg.actor.model.path) / "config.json"
+    if config.is_file():
+        layers = json.loads(config.read_text()).get("num_hidden_layers")
+        if layers is not None and pp > layers:
+            problems.append(
+                f"{key} is more than the {layers} decoder layers of actor.model.path={cfg.actor.model.path}; "
+                f"use at most {layers} stages."
+            )
+    return problems
+
+
 def check_combinations(cfg: Config) -> None:
     """Raise one ConfigError listing every impossible combination in `cfg`."""
     from components.plan import resolve_algorithm
@@ -177,6 +211,7 @@ def check_combinations(cfg: Config) -> None:
     except KeyError as exc:
         problems.append(str(exc.args[0]))
     problems += engine_problems(cfg.engine.type)
+    problems += pipeline_problems(cfg, bool(algo and algo.needs_critic))
     if cfg.trainer.rollout_placement == "colocate" and (
         cfg.engine.type != "hf" or cfg.engine.num_engines > 1
     ):

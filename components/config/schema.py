@@ -159,6 +159,18 @@ class ActorConfig(Section):
         description="workers that split each decoder layer's matmuls (DTensor tensor parallelism, the "
         "architecture's own plan); trainer.num_workers = data parallel x this",
     )
+    pipeline_model_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="pipeline stages (contiguous decoder layers, one worker each; torch.distributed.pipelining); "
+        "this version: trainer.num_workers = this, no tensor parallelism, no critic",
+    )
+    pipeline_microbatches: int | None = Field(
+        None,
+        ge=1,
+        description="micro-batches the schedule splits each update micro-batch into; None = the stages",
+    )
+    pipeline_schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="the pipeline schedule")
 
 
 class CriticConfig(Section):

@@ -16,11 +16,12 @@ from components.batch import Batch
 from components.training.distributed import Comm
 from components.training.logprobs import (
     batch_logprobs,
+    logits_logprobs,
     response_attention,
     response_logprobs,
     vision_inputs,
 )
-from components.training.loop import LoopSettings, minibatch_update
+from components.training.loop import LoopSettings, minibatch_update, row_chunks
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,12 @@ class PolicyTrainer:
         settings: UpdateSettings,
         comm: Comm | None = None,
         scaler: torch.amp.GradScaler | None = None,
+        pipeline=None,
     ):
         self.model, self.ref_model = model, ref_model
         self.optimizer, self.scheduler, self.s = optimizer, scheduler, settings
         self.comm, self.scaler = comm or Comm(), scaler
+        self.pipeline = pipeline  # a pipeline stage (components/training/pipeline_parallel.py), or None
         self.steps = 0
 
     def _logprobs(self, model, b: Batch, entropy: bool = False):
@@ -108,8 +111,24 @@ class PolicyTrainer:
 
     def logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
         """Log-probs (N, R) of the responses under the current policy or the frozen reference."""
+        if self.pipeline is not None and not reference:  # through the stages; the last one's, sent to all
+            temperature = self.s.temperature
+            return torch.cat(
+                [
+                    self.pipeline.forward_only(
+                        part.tensors,
+                        lambda logits, t: logits_logprobs(logits, t["responses"], temperature)[0],
+                    )
+                    for part in row_chunks(batch, self.s.loop.micro_batch_size)
+                ]
+            )
         model = self.ref_model if reference else self.model
         return batch_logprobs(model, batch, self.s.temperature, self.s.loop.micro_batch_size)
+
+    def _logits_loss(self, t: dict[str, torch.Tensor], logits: torch.Tensor, agg: AggParams):
+        """A pipeline's last stage: the micro-batch's loss from its logits."""
+        logp, entropy = logits_logprobs(logits, t["responses"], self.s.temperature, with_entropy=True)
+        return self.loss_from_logprobs(t, logp, entropy, agg)
 
     def prepare(self, batch: Batch, need_old: bool = False) -> Batch:
         """Add what the update needs and the batch lacks: old (behaviour) log-probs when off-policy or asked,
@@ -122,11 +141,17 @@ class PolicyTrainer:
         return batch.union(**extra) if extra else batch
 
     def _micro_loss(self, mb: Batch, agg: AggParams) -> tuple[torch.Tensor, dict]:
-        t = mb.tensors
-        mode = self.s.loss.agg_mode
-        mask = t["response_mask"].float()
         with autocast(self.model, self.s.autocast_dtype):
             logp, entropy = self._logprobs(self.model, mb, entropy=True)
+        return self.loss_from_logprobs(mb.tensors, logp, entropy, agg)
+
+    def loss_from_logprobs(
+        self, t: dict[str, torch.Tensor], logp: torch.Tensor, entropy: torch.Tensor, agg: AggParams
+    ) -> tuple[torch.Tensor, dict]:
+        """The micro-batch's loss and additive metrics from its log-probs and entropies (N, R): the policy
+        loss, the entropy bonus and the KL term (a pipeline's last stage calls this on its logits)."""
+        mode = self.s.loss.agg_mode
+        mask = t["response_mask"].float()
         old = t["old_logprobs"] if "old_logprobs" in t else logp.detach()
         pg_loss, metrics = POLICY_LOSSES.get(self.s.policy_loss)(
             logp, old, t["advantages"], mask, self.s.loss, agg
@@ -160,7 +185,11 @@ class PolicyTrainer:
             "actor",
             self.comm,
             self.scaler,
+            self.pipeline,
+            self._logits_loss,
         )
+        if self.pipeline is not None:  # the loss and its metrics were computed on the last stage
+            metrics = self.pipeline.from_last_stage(metrics)
         if self.s.beta > 0:
             metrics["actor/kl_coef"] = self.s.beta
         self.steps += 1

@@ -267,6 +267,13 @@ class TorchStep:
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
+    def forward_backward(self, micro_loss, part, agg, scale: float, last: bool) -> dict:
+        """One micro-batch's loss (micro_loss(part, agg)) times `scale`, backpropagated; its metrics."""
+        with self.accumulate(last):
+            loss, metrics = micro_loss(part, agg)
+            self.backward(loss * scale, last)
+        return metrics
+
     def step(self) -> float:
         """Clip to grad_clip and step; returns the global gradient norm before clipping."""
         if self.scaler is not None:
@@ -301,7 +308,34 @@ class DeepSpeedStep(TorchStep):
         return float(norm if norm is not None else 0.0)
 
 
-def make_step(model: torch.nn.Module, optimizer, grad_clip: float, scaler=None) -> TorchStep:
+class PipelineStep(TorchStep):
+    """The same for a pipeline stage (components/training/pipeline_parallel.Pipeline): the schedule runs each
+    micro-batch's forward and backward across the stages, the last stage computing `logits_loss(tensors,
+    logits, agg)`; the step sums a tied embedding's gradients and clips by the whole model's norm."""
+
+    def __init__(self, pipeline, optimizer, grad_clip: float, logits_loss):
+        super().__init__(pipeline.module, optimizer, grad_clip)
+        self.pipeline, self.logits_loss = pipeline, logits_loss
+
+    def forward_backward(self, micro_loss, part, agg, scale: float, last: bool) -> dict:
+        def loss(logits, tensors):
+            value, metrics = self.logits_loss(tensors, logits, agg)
+            return value * scale, metrics
+
+        return self.pipeline.forward_backward(part.tensors, loss)
+
+    def step(self) -> float:
+        self.pipeline.sync_tied_grads()
+        norm = self.pipeline.clip_grad_norm(self.grad_clip)
+        self.optimizer.step()
+        return norm
+
+
+def make_step(
+    model: torch.nn.Module, optimizer, grad_clip: float, scaler=None, pipeline=None, logits_loss=None
+) -> TorchStep:
+    if pipeline is not None:
+        return PipelineStep(pipeline, optimizer, grad_clip, logits_loss)
     is_deepspeed = hasattr(model, "set_gradient_accumulation_boundary")
     return (DeepSpeedStep if is_deepspeed else TorchStep)(model, optimizer, grad_clip, scaler)
 

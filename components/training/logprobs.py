@@ -45,13 +45,25 @@ def response_logprobs(
     row's image as `pixel_values` (N, C, H, W); its image tokens are part of the prompt.
     """
     ids, mask, positions = sequence_inputs(prompts, prompt_mask, responses, response_mask)
-    P, R = prompts.shape[1], responses.shape[1]
     images = {"pixel_values": pixel_values} if pixel_values is not None else {}
     logits = model(
         input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **images
     ).logits
+    return logits_logprobs(logits, responses, temperature, with_entropy, image_token_id(model))
+
+
+def logits_logprobs(
+    logits: torch.Tensor,
+    responses: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    banned: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The responses' log-probs (N, R) (and entropies) from the logits (N, P+R, V) of prompt + response: the
+    last R positions' predecessors predict them; `banned`, a VLM's image token, is never a choice."""
+    P = logits.shape[1] - responses.shape[1]
+    R = responses.shape[1]
     logits = logits[:, P - 1 : P + R - 1, :].float()  # (N, R, V): position t predicts response token t
-    banned = image_token_id(model)
     if banned is not None:  # a VLM never writes its image token (the engine samples without it too)
         logits[..., banned] = float("-inf")
     if temperature not in (0, 1):

@@ -115,13 +115,16 @@ def minibatch_update(
     prefix: str,
     comm: Comm | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    pipeline=None,
+    logits_loss=None,
 ) -> dict[str, float]:
     """Run s.ppo_epochs passes over the (whole) `batch`; returns each metric averaged over optimizer steps
     (summed over workers), with `{prefix}/grad_norm` (before clipping) and `{prefix}/lr`. The shuffle is
     seeded by (seed, step), the same on every worker; of each mini-batch a worker takes its token-balanced
     share (balanced_shards), so N workers make exactly the steps one worker makes."""
     comm = comm or Comm()
-    opt = make_step(model, optimizer, s.grad_clip, scaler)
+    # a pipeline stage: the schedule runs forward and backward, the last stage logits_loss on its logits
+    opt = make_step(model, optimizer, s.grad_clip, scaler, pipeline, logits_loss)
     mini_size = s.mini_batch_size or len(batch)
     gen = torch.Generator().manual_seed(s.seed + step)
     sums: dict[str, float] = {}
@@ -142,9 +145,8 @@ def minibatch_update(
             opt.zero_grad()
             for i in range(n_passes):
                 last = i == n_passes - 1
-                with opt.accumulate(last):
-                    loss, metrics = micro_loss(parts[min(i, len(parts) - 1)], agg)
-                    opt.backward(loss * (comm.world_size if i < len(parts) else 0.0), last)
+                scale = comm.world_size if i < len(parts) else 0.0
+                metrics = opt.forward_backward(micro_loss, parts[min(i, len(parts) - 1)], agg, scale, last)
                 if i < len(parts):
                     for k, v in metrics.items():  # every metric is additive across micro-batches and workers
                         sums[k] = sums.get(k, 0.0) + float(v)

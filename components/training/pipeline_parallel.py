@@ -1,24 +1,20 @@
-"""Pipeline parallelism (work in progress, not wired into the worker yet): a Hugging Face causal LM of the
-Llama family cut into contiguous stages of decoder layers, each stage the model itself with the parts it does
-not own replaced by pass-throughs, so parameter names stay those of the whole model (checkpoints and the
-full state dict need no renaming) and transformers' own forward (masks, rotary embeddings) runs on every
-stage. torch.distributed.pipelining's schedules (GPipe, 1F1B) drive the stages.
+"""Pipeline parallelism (actor.pipeline_model_parallel_size): a Hugging Face causal LM of the Llama family cut
+into contiguous stages of decoder layers, one worker each. Every stage is the model itself with the parts it
+does not own replaced by pass-throughs, so parameter names stay those of the whole model (full state dicts and
+checkpoints need no renaming) and transformers' own forward (masks, rotary embeddings) runs on every stage.
+torch.distributed.pipelining's schedules (GPipe, 1F1B) drive the stages over
+actor.pipeline_microbatches micro-batches of each update micro-batch.
 
-Shown so far (tests/components/training/test_pipeline_parallel.py): two stages under GPipe give the whole
-model's logits exactly and its gradients within 1e-6, a tied embedding's gradient being the sum of the first
-stage's (embedding) and the last stage's (head).
+The update: the batch's response tensors reach every stage as the schedule's chunked kwargs, the last stage
+turns its logits into the PPO micro-loss (in the mini-batch's global counts, so scale_grads=False) and its
+metrics, which are broadcast to the other stages; a tied embedding (first stage) and head (last stage) are one
+parameter whose two gradients are summed before the step; the gradient norm is the whole model's. Old
+log-probs go through the forward-only schedule. Full weights and full checkpoints are gathered on rank 0 in the
+one-worker format (the optimizer numbered in the whole model's parameter order), so a pipeline's checkpoint
+resumes in one worker and back.
 
-Still to do before actor.pipeline_model_parallel_size can be offered:
-- the update: the last stage's forward computes the PPO micro-loss from its logits (the batch's response
-  tensors reach every stage as chunked schedule kwargs; the loss uses the mini-batch's global counts, so
-  scale_grads=False), its metrics broadcast from the last stage to rank 0; a schedule per micro-batch size;
-- the tied embedding: its gradient all-reduced between the first and last stage before the step;
-- gradient clipping: squares summed over the pipeline group (the tied weight once);
-- prepare (old / reference log-probs) with the forward-only schedule, the result from the last stage;
-- full weights for the engine and full checkpoints: every stage's keys gathered on rank 0; loading takes
-  each stage's subset; the optimizer's plain (numbered) format built from parameter names;
-- config: pipeline_model_parallel_size, pipeline_microbatches, pipeline_schedule (gpipe | 1f1b), checks (more
-  stages than layers, the product of the mesh), the (dp, pp, tp) mesh, and the PP2, PP2 x TP2 equivalences.
+This version runs one pipeline (no data parallelism across pipelines), without tensor parallelism, a critic,
+sharded checkpoints, autocast or a VLM: the config check refuses each (components/config/checks.py).
 """
 
 from __future__ import annotations
@@ -62,16 +58,208 @@ def prune_to_stage(lm: nn.Module, stages: int, stage: int) -> nn.Module:
     return lm
 
 
+def _schedules():
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
 class StageModule(nn.Module):
     """One pipeline stage: token ids in (first stage) or hidden states in, hidden states or (last stage)
-    logits out. attention_mask and position_ids reach every stage (the schedule's kwargs)."""
+    logits out. attention_mask and position_ids reach every stage (the schedule's kwargs), and so do the
+    batch tensors a last-stage `head` turns the logits into (a micro-batch's loss, or its log-probs)."""
 
-    def __init__(self, lm: nn.Module, first: bool):
+    def __init__(self, lm: nn.Module, first: bool, last: bool = False):
         super().__init__()
-        self.lm, self.first = lm, first
+        self.lm, self.first, self.last = lm, first, last
+        self.head = None  # (logits, batch tensors) -> what the last stage returns
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, **tensors):
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        return self.lm(
+        out = self.lm(
             **inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).logits
+        return self.head(out, tensors) if self.last and self.head is not None else out
+
+
+class Pipeline(nn.Module):
+    """This worker's stage of a pipeline-parallel policy (actor.pipeline_model_parallel_size stages over the
+    whole group: one stage per worker), and what the update needs of it: a forward-backward of a micro-batch
+    through the schedule, a forward-only pass, gradients of a tied embedding summed across its two stages,
+    the global gradient norm, and full state dicts gathered on rank 0 in the one-worker format."""
+
+    def __init__(self, lm: nn.Module, stages: int, microbatches: int, schedule: str):
+        import torch.distributed as dist
+
+        super().__init__()
+        self.rank, self.stages = dist.get_rank(), stages
+        self.microbatches, self.schedule = microbatches, schedule
+        self.full_names = [n for n, p in lm.named_parameters() if p.requires_grad]  # the one-worker order
+        self.tied = lm.get_output_embeddings() is not None and (
+            lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+        )
+        # every rank makes the group of the first and last stage (new_group is collective)
+        self.tied_group = dist.new_group([0, stages - 1]) if self.tied else None
+        self.module = StageModule(
+            prune_to_stage(lm, stages, self.rank), self.rank == 0, self.rank == stages - 1
+        )
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.stages - 1
+
+    def _run(self, t: dict[str, torch.Tensor], head, with_backward: bool):
+        from torch.distributed.pipelining import PipelineStage
+
+        from components.training.logprobs import response_attention, sequence_inputs
+
+        ids, mask, pos = sequence_inputs(
+            t["prompts"], t["prompt_mask"], t["responses"], response_attention(t)
+        )
+        n = min(self.microbatches, len(ids))
+        kind = self.schedule if n >= self.stages else "gpipe"  # 1F1B needs a micro-batch per stage at least
+        self.module.head = head
+        stage = PipelineStage(self.module, self.rank, self.stages, ids.device)
+        loss_fn = (lambda out, target: out) if with_backward else None
+        sched = _schedules()[kind](stage, n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
+        tensors = {k: v for k, v in t.items() if v.dim() >= 1 and len(v) == len(ids)}
+        kwargs = {"attention_mask": mask, "position_ids": pos, **tensors}
+        args = (ids,) if self.rank == 0 else ()
+        target = torch.zeros(len(ids)) if with_backward and self.is_last else None
+        try:
+            if with_backward:
+                sched.step(*args, target=target, return_outputs=False, **kwargs)
+                return n
+            return sched.eval(*args, **kwargs)
+        finally:
+            self.module.head = None
+
+    def forward_backward(self, t: dict[str, torch.Tensor], loss) -> dict[str, float]:
+        """Forward and backward of one micro-batch through the schedule; `loss(logits, tensors)` -> (loss,
+        metrics) runs on the last stage for each of the schedule's micro-batches (summed: the loss is in
+        the mini-batch's global counts). Returns the last stage's summed metrics ({} on other stages)."""
+        calls: list[dict] = []
+
+        def head(logits, tensors):
+            value, m = loss(logits, tensors)
+            calls.append({k: float(v) for k, v in m.items()})
+            return value
+
+        n = self._run(t, head, with_backward=True)
+        # a new schedule first infers the stage's shapes with one forward over placeholder inputs: not a sample
+        metrics: dict[str, float] = {}
+        for m in calls[len(calls) - n :] if self.is_last else []:
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + v
+        return metrics
+
+    def forward_only(self, t: dict[str, torch.Tensor], head) -> torch.Tensor:
+        """`head(logits, tensors)` (rows, R) of every row, computed on the last stage and sent to all."""
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            out = self._run(t, head, with_backward=False)
+        shape = [len(t["responses"]), t["responses"].shape[1]]
+        result = out.float() if self.is_last else torch.zeros(shape)
+        dist.broadcast(result, src=self.stages - 1)
+        return result
+
+    def from_last_stage(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The last stage's metrics on every stage (the group answers rank 0's)."""
+        import torch.distributed as dist
+
+        box = [metrics]
+        dist.broadcast_object_list(box, src=self.stages - 1)
+        return {**metrics, **box[0]}
+
+    def _tied_param(self) -> torch.nn.Parameter | None:
+        if not self.tied:
+            return None
+        lm = self.module.lm
+        if self.rank == 0:
+            return lm.get_input_embeddings().weight
+        return lm.lm_head.weight if self.is_last else None
+
+    def sync_tied_grads(self) -> None:
+        """A tied embedding is one parameter held by the first and the last stage: sum its two gradients."""
+        import torch.distributed as dist
+
+        p = self._tied_param()
+        if p is not None and self.stages > 1:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.tied_group)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """The whole model's gradient norm (the tied weight counted once), every stage scaled by one factor."""
+        import torch.distributed as dist
+
+        tied = self._tied_param() if self.is_last and self.rank != 0 else None
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        own = [g for p, g in zip(self.module.parameters(), grads) if p is not tied]
+        squares = torch.tensor(sum(float(g.double().pow(2).sum()) for g in own), dtype=torch.float64)
+        dist.all_reduce(squares)
+        total = float(squares) ** 0.5
+        scale = max_norm / (total + 1e-6)
+        if scale < 1.0:
+            for g in grads:
+                g.mul_(scale)
+        return total
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict on rank 0 (CPU), {} elsewhere; every stage must call it."""
+        import torch.distributed as dist
+
+        own = {k: v.detach().cpu().clone() for k, v in self.module.lm.state_dict().items()}
+        parts = [None] * self.stages if self.rank == 0 else None
+        dist.gather_object(own, parts, dst=0)
+        return {k: v for part in parts for k, v in part.items()} if self.rank == 0 else {}
+
+    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
+        own = self.module.lm.state_dict()
+        self.module.lm.load_state_dict({k: state[k] for k in own})
+
+    def _named_states(self, optimizer) -> dict[str, dict]:
+        names = {id(p): n for n, p in self.module.lm.named_parameters()}
+        return {
+            names[id(p)]: optimizer.state[p]
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if p in optimizer.state
+        }
+
+    def full_optimizer_state(self, optimizer) -> dict:
+        """The optimizer state in torch's plain format numbered in the whole model's parameter order (as one
+        worker saves it) on rank 0, {} elsewhere; a tied head's state (equal to the embedding's) is dropped."""
+        import torch.distributed as dist
+
+        own = {
+            n: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            for n, s in self._named_states(optimizer).items()
+        }
+        parts = [None] * self.stages if self.rank == 0 else None
+        dist.gather_object(own, parts, dst=0)
+        if self.rank != 0:
+            return {}
+        named = {k: v for part in parts for k, v in part.items()}
+        index = {n: i for i, n in enumerate(self.full_names)}
+        group = {k: v for k, v in optimizer.state_dict()["param_groups"][0].items() if k != "params"}
+        return {
+            "state": {index[n]: s for n, s in named.items() if n in index},
+            "param_groups": [{**group, "params": list(range(len(self.full_names)))}],
+        }
+
+    def load_full_optimizer_state(self, optimizer, state: dict) -> None:
+        names = [n for n, p in self.module.lm.named_parameters() if p.requires_grad]
+        index = {n: i for i, n in enumerate(self.full_names)}
+        alias = {"lm_head.weight": "model.embed_tokens.weight"} if self.tied else {}
+        saved = {int(k): v for k, v in state["state"].items()}
+        own = {}
+        for i, n in enumerate(names):
+            j = index.get(n, index.get(alias.get(n, "")))
+            if j is not None and j in saved:
+                own[i] = saved[j]
+        group = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
+        optimizer.load_state_dict(
+            {"state": own, "param_groups": [{**group, "params": list(range(len(names)))}]}
+        )

@@ -133,20 +133,20 @@ class PolicyGroup(Actors):
 
     role = "policy"
 
-    def __init__(self, actors: list, pids: list[int], timeout_s: float, tensor_parallel: int = 1):
+    def __init__(self, actors: list, pids: list[int], timeout_s: float, replica_size: int = 1):
         super().__init__(actors, pids, timeout_s)
-        self.tensor_parallel = tensor_parallel  # consecutive ranks split one replica's layers
+        self.replica_size = replica_size  # consecutive ranks that split one replica (tensor x pipeline)
 
     def _all(self, what: str, call) -> list:
         return self.wait([call(a) for a in self.actors], what)
 
     def prepare(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """Old/reference log-probs and values (verl's old_log_prob/ref/values stages): each data-parallel
-        replica computes a token-balanced shard (every TP worker of a replica the same one), joined back in
-        row order."""
+        replica computes a token-balanced shard (every TP or pipeline worker of a replica the same one), joined
+        back in row order."""
         if len(self.actors) == 1:
             return self._all("prepare", lambda a: a.prepare.remote(batch))[0]
-        tp = self.tensor_parallel
+        tp = self.replica_size
         shards = balanced_shards(batch, len(self.actors) // tp)
         parts = [ray.put(batch.select(s)) for s in shards] if tp > 1 else [batch.select(s) for s in shards]
         results = self.wait(
@@ -366,7 +366,8 @@ def workers_that_fit(plan: RunPlan) -> int:
         or [placement.num_workers]
     )
     mini = mini_batch or responses
-    tp = plan.policy.parallel.tensor_parallel_size  # the group shrinks by whole tensor-parallel replicas
+    p = plan.policy.parallel
+    tp = p.tensor_parallel_size * p.pipeline_parallel_size  # the group shrinks by whole replicas
     n = next(
         (
             k
@@ -407,7 +408,8 @@ def start_policy_group(
     backend = "nccl" if num_gpus else "gloo"
     specs = [GroupSpec(rank, n, addr, port, backend) for rank in range(n)]
     pids = ray.get([a.setup.remote(spec) for a, spec in zip(actors, specs)])  # surface start-up errors here
-    return PolicyGroup(actors, pids, timeout_s, settings.parallel.tensor_parallel_size)
+    p = settings.parallel
+    return PolicyGroup(actors, pids, timeout_s, p.tensor_parallel_size * p.pipeline_parallel_size)
 
 
 def policy_group(plan: RunPlan, n: int | None = None) -> PolicyGroup:

@@ -126,19 +126,33 @@ class PolicyWorker:
         self.mesh = D.parallel_mesh(spec.world_size, s.parallel.tensor_parallel_size, device)
         # the update loop's collectives span the data-parallel replicas: TP peers hold the same rows
         self.comm = D.make_comm(self.mesh["dp"].get_group() if self.mesh is not None else None)
+        if s.parallel.pipeline_parallel_size > 1:  # every stage sees every row (one replica in this version)
+            self.comm = D.Comm()
         m = s.model
         self.tokenizer = load_tokenizer(m.path)
         self.images = load_image_encoder(m.path, self.tokenizer)  # None for a text-only policy
         policy = load_model(m.path, m.dtype, m.attention_implementation)
         freeze_vision(policy, m)
-        self.model = self._wrap(policy)
+        self.pipeline = None
+        if s.parallel.pipeline_parallel_size > 1:  # this worker holds one stage of the layers
+            from components.training.pipeline_parallel import Pipeline
+
+            p, mem = s.parallel, s.memory
+            if mem.gradient_checkpointing or mem.activation_checkpointing:
+                policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.pipeline = Pipeline(
+                policy, p.pipeline_parallel_size, p.pipeline_microbatches, p.pipeline_schedule
+            )
+            self.model = self.pipeline.module
+        else:
+            self.model = self._wrap(policy)
         ref = None
         if s.reference:
             ref = load_model(m.path, m.dtype, m.attention_implementation).eval().requires_grad_(False)
         settings = update_for(s, spec.world_size)
         opt, sched = self._optimizer(self.model, s.optimizer, s.model)
         self.trainer = PolicyTrainer(
-            self.model, ref, opt, sched, settings, self.comm, make_scaler(s, self.model)
+            self.model, ref, opt, sched, settings, self.comm, make_scaler(s, self.model), self.pipeline
         )
         self.critic = self._make_critic(settings) if s.critic is not None else None
         self.compression = self._compression()
@@ -187,7 +201,7 @@ class PolicyWorker:
     def _compression(self) -> D.CompressionChoice | None:
         """DDP only: measure the all-reduce bandwidth once and install the gradient compression it calls for."""
         t = self.s.parallel
-        if self.world_size == 1 or t.strategy != "ddp":
+        if self.world_size == 1 or t.strategy != "ddp" or self.pipeline is not None:
             return None
         gbps = D.measure_allreduce_gbps(cap_gbps=t.simulated_bandwidth_gbps)
         choice = D.choose_compression(
@@ -231,16 +245,26 @@ class PolicyWorker:
     def get_weights(self) -> tuple[dict[str, torch.Tensor], int]:
         """The current weights (detached CPU tensors, gathered from the shards on rank 0; {} on other ranks)
         and their version. Every rank must be called."""
-        return D.full_model_state(self.model), self.version
+        return self._full_state(self.model), self.version
+
+    def _full_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """`model`'s whole state dict on rank 0, gathered from the stages or shards ({} on other ranks)."""
+        if self.pipeline is not None and model is self.model:
+            return self.pipeline.full_state()
+        return D.full_model_state(model)
+
+    def _hf_model(self) -> torch.nn.Module:
+        """The Hugging Face model object of the policy (its config, for saving)."""
+        return self.pipeline.module.lm if self.pipeline is not None else D.unwrap(self.model)
 
     def save_model(self, out: str, kind: str = MODEL) -> str:
         """The policy in Hugging Face format (rank 0 writes it; every rank must be called), marked as an output
         of `kind` (only a directory of that kind is ever replaced)."""
-        state = D.full_model_state(self.model)
+        state = self._full_state(self.model)
         if self.rank == 0:
             processor = self.images.processor if self.images is not None else None
             save_pretrained(
-                D.unwrap(self.model), self.tokenizer, out, state_dict=state, kind=kind, processor=processor
+                self._hf_model(), self.tokenizer, out, state_dict=state, kind=kind, processor=processor
             )
         return out
 
@@ -252,6 +276,8 @@ class PolicyWorker:
     def _optimizer_state(self, part) -> dict:
         if self.world_size == 1:
             return part.optimizer.state_dict()
+        if self.pipeline is not None and part is self.trainer:
+            return self.pipeline.full_optimizer_state(part.optimizer)
         return D.full_optimizer_state(part.model, part.optimizer)
 
     def write_checkpoint(self, out: str, with_optimizer: bool = True) -> None:
@@ -301,7 +327,7 @@ class PolicyWorker:
             if with_optimizer:
                 S.save_optimizer_shards(part.model, part.optimizer, out / opt_file, self.rank)
         if self.rank == 0:
-            D.unwrap(self.model).config.save_pretrained(out / "model")
+            self._hf_model().config.save_pretrained(out / "model")
             self.tokenizer.save_pretrained(out / "model")
             if self.images is not None:
                 self.images.processor.save_pretrained(out / "model")
@@ -336,6 +362,8 @@ class PolicyWorker:
                     )
                 if self.world_size == 1:
                     part.optimizer.load_state_dict(opt)
+                elif self.pipeline is not None and part is self.trainer:
+                    self.pipeline.load_full_optimizer_state(part.optimizer, opt)
                 else:
                     D.load_full_optimizer_state(part.model, part.optimizer, opt)
             part.scheduler.load_state_dict(state[name]["scheduler"])
@@ -358,6 +386,8 @@ class PolicyWorker:
     def _load_weights(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         if self.world_size == 1:
             model.load_state_dict(state)
+        elif self.pipeline is not None and model is self.model:
+            self.pipeline.load_full_state(state)
         else:
             D.load_full_model_state(model, state)
 

@@ -1,12 +1,14 @@
-"""Pipeline stages (work in progress): two stages of the tiny model, driven by torch's GPipe schedule over
-gloo, give the whole model's logits and its gradients (a tied embedding's summed over the first and last
-stage)."""
+"""Pipeline stages: two stages of the tiny model, driven by torch's GPipe schedule over gloo, give the whole
+model's logits and its gradients (a tied embedding's summed over the first and last stage); what this version
+cannot do fails at config validation. (The update through the Ray worker group against one worker, and its
+checkpoints: tests/components/training/test_distributed.py.)"""
 
 from __future__ import annotations
 
 import copy
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -71,3 +73,38 @@ def test_two_stages_give_the_whole_models_logits_and_gradients(tmp_path):
     assert last["logits"] == 0.0
     assert first["grad"] < 1e-6 and last["grad"] < 1e-6
     assert first["owned"] < first["whole"] and last["owned"] < last["whole"]
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (
+            ["trainer.num_workers=2", "actor.pipeline_model_parallel_size=2"],
+            r"actor\.pipeline_model_parallel_size=2 is more than the 1 decoder layers of actor\.model\.path",
+        ),
+        (
+            ["trainer.num_workers=4", "actor.pipeline_model_parallel_size=2"],
+            r"actor\.pipeline_model_parallel_size=2 with trainer\.num_workers=4: .*set trainer\.num_workers=2",
+        ),
+        (
+            ["trainer.num_workers=2", "actor.pipeline_model_parallel_size=2", "algorithm.name=ppo"],
+            r"actor\.pipeline_model_parallel_size=2 with a critic \(adv_estimator gae\) is not supported",
+        ),
+        (
+            [
+                "trainer.num_workers=2",
+                "actor.pipeline_model_parallel_size=2",
+                "trainer.checkpoint_format=sharded",
+            ],
+            r"with trainer\.checkpoint_format=sharded is not supported",
+        ),
+    ],
+)
+def test_what_pipelines_cannot_do_fails_before_any_work_naming_the_key(tiny_model_dir, overrides, match):
+    from components.config import load_config
+    from components.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(
+            None, [f"actor.model.path={tiny_model_dir}", "data.batch_size=2", "engine.n=4", *overrides]
+        )
