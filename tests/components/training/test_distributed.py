@@ -132,6 +132,52 @@ def test_tensor_parallel_updates_like_one_worker(ray_up, tiny_model_dir, tokeniz
             assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (step, key, a, b)
 
 
+ADAM = ["actor.optimizer.type=adamw", "actor.optimizer.lr=1e-3"]  # moments a resume must restore
+
+
+def save_and_reload(cfg, n: int, tokenizer, out) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """A group of n: one update, a checkpoint into `out`, loaded back and written again into `out`_again.
+    Returns the weights the group serves to the rollout engine and the parameter elements each worker holds."""
+    group = policy_group(make_plan(cfg), n)
+    try:
+        group.update(synthetic_batch(tokenizer, seed=0))
+        group.write_checkpoint(str(out), True)
+        served = ray.get([a.get_weights.remote() for a in group.actors])[0][0]
+        held = ray.get([a.parameter_count.remote() for a in group.actors])
+        group.load_checkpoint(str(out))
+        group.write_checkpoint(f"{out}_again", True)
+    finally:
+        group.stop()
+    return served, held
+
+
+def reload_in_one_worker(cfg, source, out) -> int:
+    """One worker loads the checkpoint `source` and writes it into `out`; the parameter elements it holds."""
+    one = policy_group(make_plan(cfg), 1)
+    try:
+        one.load_checkpoint(str(source))
+        one.write_checkpoint(str(out), True)
+        return ray.get(one.actors[0].parameter_count.remote())
+    finally:
+        one.stop()
+
+
+def assert_same_checkpoints(reference, *others) -> dict[str, torch.Tensor]:
+    """The model as loaded (a tied head is one tensor, however the writer stored it) and the optimizer as
+    stored are bit-identical; returns the reference's model state."""
+    from safetensors.torch import load_file
+
+    from components.models import load_model
+
+    saved = load_model(reference / "model").state_dict()
+    for other in others:
+        b = load_model(other / "model").state_dict()
+        assert saved.keys() == b.keys() and all(torch.equal(saved[k], b[k]) for k in saved), other
+        a, b = (load_file(d / "optimizer.safetensors") for d in (reference, other))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), other
+    return saved
+
+
 @pytest.fixture(scope="module")
 def three_layers(tmp_path_factory, tokenizer):
     """A tiny model deep enough for two pipeline stages, saved once for the module; its initial weights."""
@@ -170,36 +216,13 @@ def test_a_pipeline_checkpoint_resumes_in_one_worker_and_back(ray_up, three_laye
     """A full checkpoint of two pipeline stages (AdamW moments, a tied embedding held by both ends) loads into
     one worker and back into two stages, each writing it again bit-identical; its weights are what the
     stages serve to the rollout engine."""
-    from safetensors.torch import load_file
-
-    from components.models import load_model
-
     model_dir, start = three_layers
-    adam = ["actor.optimizer.type=adamw", "actor.optimizer.lr=1e-3"]
     pp = ["trainer.num_workers=2", "actor.pipeline_model_parallel_size=2"]
-    stages = policy_group(make_plan(config(model_dir, *adam, *pp)), 2)
-    try:
-        stages.update(synthetic_batch(tokenizer, seed=0))
-        stages.write_checkpoint(str(tmp_path / "pp2"), True)
-        served = ray.get([a.get_weights.remote() for a in stages.actors])[0][0]
-        stages.load_checkpoint(str(tmp_path / "pp2"))
-        stages.write_checkpoint(str(tmp_path / "pp2_again"), True)
-    finally:
-        stages.stop()
-    one = policy_group(make_plan(config(model_dir, *adam)), 1)
-    try:
-        one.load_checkpoint(str(tmp_path / "pp2"))
-        one.write_checkpoint(str(tmp_path / "one"), True)
-    finally:
-        one.stop()
-    saved = load_model(tmp_path / "pp2" / "model").state_dict()
+    served, _ = save_and_reload(config(model_dir, *ADAM, *pp), 2, tokenizer, tmp_path / "pp2")
+    reload_in_one_worker(config(model_dir, *ADAM), tmp_path / "pp2", tmp_path / "one")
+    saved = assert_same_checkpoints(tmp_path / "pp2", tmp_path / "one", tmp_path / "pp2_again")
     assert max(float((saved[k] - start[k]).abs().max()) for k in saved) > 1e-4  # trained
     assert all(torch.equal(served[k], saved[k]) for k in saved)
-    for other in ("one", "pp2_again"):
-        b = load_model(tmp_path / other / "model").state_dict()
-        assert saved.keys() == b.keys() and all(torch.equal(saved[k], b[k]) for k in saved), other
-        a, b = (load_file(tmp_path / d / "optimizer.safetensors") for d in ("pp2", other))
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), other
 
 
 @pytest.mark.parametrize(
@@ -212,42 +235,12 @@ def test_a_sharded_groups_checkpoint_reshards_to_one_worker_and_back(
     restore) holds whole tensors: one worker loads it and writes it back bit-identical, and so does a group of
     2; its weights are what the group serves to the rollout engine, and each worker of the group holds less
     of the model than one worker does."""
-    from safetensors.torch import load_file
-
-    adam = ["actor.optimizer.type=adamw", "actor.optimizer.lr=1e-3"]
-    tp_cfg = config(tiny_model_dir, *adam, "trainer.num_workers=2", *layout)
-    one_cfg = config(tiny_model_dir, *adam)
-    tp = policy_group(make_plan(tp_cfg), 2)
-    try:
-        tp.update(synthetic_batch(tokenizer, seed=0))
-        tp.write_checkpoint(str(tmp_path / "tp2"), True)
-        served = ray.get([a.get_weights.remote() for a in tp.actors])[0][0]
-        held = ray.get([a.parameter_count.remote() for a in tp.actors])
-        tp.load_checkpoint(str(tmp_path / "tp2"))
-        tp.write_checkpoint(str(tmp_path / "tp2_again"), True)
-    finally:
-        tp.stop()
-    one = policy_group(make_plan(one_cfg), 1)
-    try:
-        one.load_checkpoint(str(tmp_path / "tp2"))
-        one.write_checkpoint(str(tmp_path / "one"), True)
-        whole = ray.get(one.actors[0].parameter_count.remote())
-    finally:
-        one.stop()
-    from components.models import load_model
-
-    # the model as loaded (a tied head is one tensor, however the writer stored it), the optimizer as stored
-    saved = load_model(tmp_path / "tp2" / "model").state_dict()
-    for other in ("one", "tp2_again"):
-        b = load_model(tmp_path / other / "model").state_dict()
-        assert saved.keys() == b.keys() and all(torch.equal(saved[k], b[k]) for k in saved), other
-        a, b = (load_file(tmp_path / d / "optimizer.safetensors") for d in ("tp2", other))
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), other
+    cfg = config(tiny_model_dir, *ADAM, "trainer.num_workers=2", *layout)
+    served, held = save_and_reload(cfg, 2, tokenizer, tmp_path / "two")
+    whole = reload_in_one_worker(config(tiny_model_dir, *ADAM), tmp_path / "two", tmp_path / "one")
+    saved = assert_same_checkpoints(tmp_path / "two", tmp_path / "one", tmp_path / "two_again")
     assert all(torch.equal(served[k], saved[k]) for k in saved)
-    assert all(h < whole for h in held) and sum(held) >= whole, (
-        held,
-        whole,
-    )  # split (TP: norms whole on each)
+    assert all(h < whole for h in held) and sum(held) >= whole, (held, whole)  # split (TP: norms whole)
 
 
 def test_a_sharded_checkpoint_is_written_by_every_worker_and_read_by_any_layout(
