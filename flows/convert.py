@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from components.errors import ReinforgeError
+from flows._args import report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             out = convert.to_sharded(a.source, a.out, a.tensor_parallel, a.data_parallel)
     except ReinforgeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report(exc)
     print(out)
     return 0
 

@@ -36,6 +36,17 @@ def _sequence_log_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.
     return _token_log_weights(old, rollout, mask).sum(-1, keepdim=True).expand_as(mask)
 
 
+def _truncated(log_w: torch.Tensor, mask: torch.Tensor, cap: float):
+    """min(w, cap) where log w is `log_w` (N, R); changed where the cap bit."""
+    return log_w.exp().clamp(max=cap) * mask, (log_w > math.log(cap)) & mask.bool()
+
+
+def _masked(log_w: torch.Tensor, mask: torch.Tensor, cap: float):
+    """1 where w lies in [1/cap, cap], 0 elsewhere; changed where it is 0."""
+    out = (log_w.abs() > math.log(cap)) & mask.bool()
+    return (~out).float() * mask, out
+
+
 @ROLLOUT_CORRECTIONS.register("tis")
 def token_truncated(old, rollout, mask, cap):
     """min(w_t, cap) on each token.
@@ -44,31 +55,25 @@ def token_truncated(old, rollout, mask, cap):
     >>> w.tolist(), c.tolist()
     ([[1.0, 2.0]], [[False, True]])
     """
-    log_w = _token_log_weights(old, rollout, mask)
-    return log_w.exp().clamp(max=cap) * mask, (log_w > math.log(cap)) & mask.bool()
+    return _truncated(_token_log_weights(old, rollout, mask), mask, cap)
 
 
 @ROLLOUT_CORRECTIONS.register("mis")
 def token_masked(old, rollout, mask, cap):
     """1 where w_t lies in [1/cap, cap], 0 elsewhere."""
-    log_w = _token_log_weights(old, rollout, mask)
-    out = (log_w.abs() > math.log(cap)) & mask.bool()
-    return (~out).float() * mask, out
+    return _masked(_token_log_weights(old, rollout, mask), mask, cap)
 
 
 @ROLLOUT_CORRECTIONS.register("seq_tis")
 def sequence_truncated(old, rollout, mask, cap):
     """min(W, cap), W the product of the sequence's token weights, on each of its tokens."""
-    log_w = _sequence_log_weights(old, rollout, mask)
-    return log_w.exp().clamp(max=cap) * mask, (log_w > math.log(cap)) & mask.bool()
+    return _truncated(_sequence_log_weights(old, rollout, mask), mask, cap)
 
 
 @ROLLOUT_CORRECTIONS.register("seq_mis")
 def sequence_masked(old, rollout, mask, cap):
     """1 on the tokens of sequences whose W lies in [1/cap, cap], 0 on the others."""
-    log_w = _sequence_log_weights(old, rollout, mask)
-    out = (log_w.abs() > math.log(cap)) & mask.bool()
-    return (~out).float() * mask, out
+    return _masked(_sequence_log_weights(old, rollout, mask), mask, cap)
 
 
 def correct_advantages(

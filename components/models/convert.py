@@ -56,12 +56,12 @@ def to_hf(source: str | Path, out: str | Path) -> Path:
     state = model.state_dict()
     load_shards(state, src / SHARDS)
     model.load_state_dict(state)
-    processor = None
+    tokenizer, processor = load_tokenizer(src, "--source"), None
     if "vision_config" in saved:
         from components.models.vlm import load_processor
 
-        processor = load_processor(src, load_tokenizer(src, "--source"), "--source")
-    return save_pretrained(model, load_tokenizer(src, "--source"), out, processor=processor)
+        processor = load_processor(src, tokenizer, "--source")
+    return save_pretrained(model, tokenizer, out, processor=processor)
 
 
 def _shard_worker(rank: int, world: int, port: int, source: str, out: str, tp: int) -> None:
@@ -119,10 +119,10 @@ def to_sharded(source: str | Path, out: str | Path, tensor_parallel: int = 1, da
     from transformers import AutoConfig
 
     AutoConfig.from_pretrained(src, local_files_only=True).save_pretrained(out)
+    saved = load_tokenizer(src, "--source")
     if "vision_config" in json.loads((src / "config.json").read_text()):
         from components.models.vlm import load_processor
 
-        load_processor(src, load_tokenizer(src, "--source"), "--source").save_pretrained(out)
-    else:
-        load_tokenizer(src, "--source").save_pretrained(out)
+        saved = load_processor(src, saved, "--source")  # the processor saves its tokenizer too
+    saved.save_pretrained(out)
     return out

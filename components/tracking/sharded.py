@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from components.training.distributed import state_module
+
 SHARDS = "shards"
 PARAM_GROUPS = "param_groups.json"
 
@@ -45,21 +47,17 @@ def load_shards(template: dict[str, torch.Tensor], directory: Path) -> dict[str,
     return template
 
 
-def _inner(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if hasattr(model, "no_sync") else model  # DDP's module; FSDP2 / TP shard in place
-
-
 def model_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's part of the model's state dict (DTensor shards under FSDP or TP)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(_inner(model))
+    return get_model_state_dict(state_module(model))
 
 
 def load_model_shards(model: torch.nn.Module, directory: Path) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    set_model_state_dict(_inner(model), load_shards(model_shards(model), directory))
+    set_model_state_dict(state_module(model), load_shards(model_shards(model), directory))
 
 
 def optimizer_shards(model: torch.nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -68,7 +66,7 @@ def optimizer_shards(model: torch.nn.Module, optimizer) -> tuple[dict[str, torch
     get_optimizer_state_dict does), so a fresh group can be the template a checkpoint is read into."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    sd = get_optimizer_state_dict(_inner(model), optimizer)
+    sd = get_optimizer_state_dict(state_module(model), optimizer)
     tensors = {f"state.{fqn}.{k}": v for fqn, state in sd["state"].items() for k, v in state.items()}
     return tensors, sd["param_groups"]
 
@@ -90,4 +88,4 @@ def load_optimizer_shards(model: torch.nn.Module, optimizer, directory: Path) ->
         fqn, name = key[len("state.") :].rsplit(".", 1)
         state.setdefault(fqn, {})[name] = value
     groups = json.loads((directory / PARAM_GROUPS).read_text())
-    set_optimizer_state_dict(_inner(model), optimizer, {"state": state, "param_groups": groups})
+    set_optimizer_state_dict(state_module(model), optimizer, {"state": state, "param_groups": groups})

@@ -219,6 +219,12 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
+def state_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose state dicts torch.distributed.checkpoint reads and writes: DDP's inner module, else the
+    model itself (FSDP2 and tensor parallelism shard it in place)."""
+    return unwrap(model) if hasattr(model, "no_sync") else model
+
+
 @contextlib.contextmanager
 def gradient_sync(model: torch.nn.Module, enabled: bool):
     """Skip the gradient reduction of a micro-batch that is not the last of its mini-batch (wraps its
@@ -357,7 +363,7 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             state = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
         return state if dist.get_rank() == 0 else {}
     return get_model_state_dict(
-        unwrap(model) if hasattr(model, "no_sync") else model,
+        state_module(model),
         options=StateDictOptions(full_state_dict=True, cpu_offload=True),
     )
 
@@ -374,7 +380,7 @@ def load_full_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]
                 model.module.load_state_dict(state)
         return
     set_model_state_dict(
-        unwrap(model) if hasattr(model, "no_sync") else model,
+        state_module(model),
         state,
         options=StateDictOptions(full_state_dict=True),
     )
@@ -386,7 +392,7 @@ def full_optimizer_state(model: torch.nn.Module, optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     sd = get_optimizer_state_dict(
-        unwrap(model) if hasattr(model, "no_sync") else model,
+        state_module(model),
         optimizer,
         options=StateDictOptions(full_state_dict=True, cpu_offload=True),
     )
@@ -402,7 +408,7 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer, state: dict) ->
     """The inverse of full_optimizer_state: every rank passes the whole plain state; each keeps its shard."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    inner = unwrap(model) if hasattr(model, "no_sync") else model
+    inner = state_module(model)
     names = [n for n, p in inner.named_parameters() if p.requires_grad]
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
     sd = {"state": {names[int(i)]: v for i, v in state["state"].items()}, "param_groups": groups}

@@ -82,7 +82,7 @@ class StageModule(nn.Module):
         return self.head(out, tensors) if self.last and self.head is not None else out
 
 
-class Pipeline(nn.Module):
+class Pipeline:
     """This worker's stage of a pipeline-parallel policy (actor.pipeline_model_parallel_size stages over the
     whole group: one stage per worker), and what the update needs of it: a forward-backward of a micro-batch
     through the schedule, a forward-only pass, gradients of a tied embedding summed across its two stages,
@@ -91,7 +91,6 @@ class Pipeline(nn.Module):
     def __init__(self, lm: nn.Module, stages: int, microbatches: int, schedule: str):
         import torch.distributed as dist
 
-        super().__init__()
         self.rank, self.stages = dist.get_rank(), stages
         self.microbatches, self.schedule = microbatches, schedule
         self.full_names = [n for n, p in lm.named_parameters() if p.requires_grad]  # the one-worker order
@@ -194,16 +193,15 @@ class Pipeline(nn.Module):
         """The whole model's gradient norm (the tied weight counted once), every stage scaled by one factor."""
         import torch.distributed as dist
 
+        from components.training.tensor_parallel import scale_to_norm
+
         tied = self._tied_param() if self.is_last and self.rank != 0 else None
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        own = [g for p, g in zip(self.module.parameters(), grads) if p is not tied]
+        with_grads = [p for p in self.module.parameters() if p.grad is not None]
+        own = [p.grad for p in with_grads if p is not tied]
         squares = torch.tensor(sum(float(g.double().pow(2).sum()) for g in own), dtype=torch.float64)
         dist.all_reduce(squares)
         total = float(squares) ** 0.5
-        scale = max_norm / (total + 1e-6)
-        if scale < 1.0:
-            for g in grads:
-                g.mul_(scale)
+        scale_to_norm([p.grad for p in with_grads], total, max_norm)
         return total
 
     def full_state(self) -> dict[str, torch.Tensor]:

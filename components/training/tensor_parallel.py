@@ -134,9 +134,14 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
         norm = torch.nn.utils.get_total_norm(grads)
         squares += float(norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
     total = squares**0.5
+    scale_to_norm([g for grads in groups.values() for g in grads], total, max_norm)
+    return total
+
+
+def scale_to_norm(grads: list[torch.Tensor], total: float, max_norm: float) -> None:
+    """Scale gradients whose global norm is `total` down to max_norm, as torch's clip does (max_norm /
+    (total + 1e-6), only when below 1); for norms torch cannot take over every layout at once."""
     scale = max_norm / (total + 1e-6)
     if scale < 1.0:
-        for grads in groups.values():
-            for g in grads:
-                g.mul_(scale)
-    return total
+        for g in grads:
+            g.mul_(scale)
