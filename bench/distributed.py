@@ -101,9 +101,28 @@ SETTINGS = [  # (name, workers, overrides)
         ["actor.tensor_model_parallel_size=2", "trainer.strategy=fsdp"],
     ),
     (
+        "2 workers tensor parallel + sequence parallel (tp2, sp)",
+        2,
+        ["actor.tensor_model_parallel_size=2", "actor.sequence_parallel=true"],
+    ),
+    (
         "2 workers pipeline parallel (pp2, 1f1b, 4 micro-batches)",
         2,
         ["actor.pipeline_model_parallel_size=2", "actor.pipeline_microbatches=4"],
+    ),
+    (
+        "4 workers pipeline x data parallel (pp2 x dp2)",
+        4,
+        ["actor.pipeline_model_parallel_size=2", "actor.pipeline_microbatches=4"],
+    ),
+    (
+        "4 workers pipeline x tensor parallel (pp2 x tp2)",
+        4,
+        [
+            "actor.pipeline_model_parallel_size=2",
+            "actor.pipeline_microbatches=4",
+            "actor.tensor_model_parallel_size=2",
+        ],
     ),
 ]
 

@@ -42,6 +42,9 @@ class ParallelPlan:
     compression_powersgd_below_gbps: float = 0.2
     simulated_bandwidth_gbps: float | None = None
     tensor_parallel_size: int = 1  # actor.tensor_model_parallel_size: workers that split each layer
+    sequence_parallel: bool = (
+        False  # actor.sequence_parallel: activations between blocks split over the sequence
+    )
     pipeline_parallel_size: int = 1  # actor.pipeline_model_parallel_size: stages, one worker each
     pipeline_microbatches: int = 1
     pipeline_schedule: str = "1f1b"
@@ -195,6 +198,7 @@ def make_plan(cfg: Config) -> RunPlan:
             t.compression_powersgd_below_gbps,
             t.simulated_bandwidth_gbps,
             cfg.actor.tensor_model_parallel_size,
+            cfg.actor.sequence_parallel,
             cfg.actor.pipeline_model_parallel_size,
             cfg.actor.pipeline_microbatches or cfg.actor.pipeline_model_parallel_size,
             cfg.actor.pipeline_schedule,

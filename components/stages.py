@@ -122,6 +122,7 @@ STAGES: dict[str, StageKeys] = {
             # does not depend on it, so a group rebuilt smaller resumes the run
             "trainer.num_workers",
             "actor.tensor_model_parallel_size",
+            "actor.sequence_parallel",
             "actor.pipeline_model_parallel_size",
             "actor.pipeline_microbatches",
             "actor.pipeline_schedule",

@@ -110,13 +110,12 @@ def parallel_problems(cfg: Config, responses: int) -> list[str]:
             "sdpa."
         )
     problems += tensor_parallel_problems(cfg)
-    tp = cfg.actor.tensor_model_parallel_size
-    replicas = n // tp if n % tp == 0 else n
+    replicas = data_parallel_replicas(cfg)
     mini = cfg.actor.ppo_mini_batch_size or responses
     if replicas > 1 and mini % replicas:
         problems.append(
             f"actor.ppo_mini_batch_size={mini}: each of the {replicas} data-parallel replicas (trainer."
-            f"num_workers={n} / actor.tensor_model_parallel_size={tp}) takes an equal part of a mini-batch, "
+            f"num_workers={n} / (tensor x pipeline parallel)) takes an equal part of a mini-batch, "
             "so it must be a multiple of their number."
         )
     budget = cfg.actor.ppo_max_token_len_per_worker
@@ -141,16 +140,19 @@ def tensor_parallel_problems(cfg: Config) -> list[str]:
     TP replicas by anything but FSDP, and models the architecture's plan cannot split."""
     t, tp = cfg.trainer, cfg.actor.tensor_model_parallel_size
     if tp == 1:
+        if cfg.actor.sequence_parallel:
+            return [
+                "actor.sequence_parallel=true splits the sequence over tensor-parallel workers, but "
+                "actor.tensor_model_parallel_size=1; set it above 1, or sequence_parallel=false."
+            ]
         return []
     from components.training.tensor_parallel import plan_problems  # torch: only for a TP config
 
     n, problems = t.num_workers, []
-    if n % tp:
-        return [
-            f"actor.tensor_model_parallel_size={tp} must divide trainer.num_workers={n} (workers = data "
-            f"parallel x tensor parallel); set trainer.num_workers to a multiple of {tp}."
-        ]
-    if n // tp > 1 and t.strategy != "fsdp":
+    pp = cfg.actor.pipeline_model_parallel_size
+    if n % (tp * pp):
+        return []  # mesh_problems names it
+    if n // tp > 1 and t.strategy != "fsdp" and pp == 1:
         problems.append(
             f"trainer.strategy={t.strategy} with actor.tensor_model_parallel_size={tp} and {n // tp} "
             "data-parallel replicas: only FSDP shards tensor-parallel (DTensor) parameters across replicas; "
@@ -161,10 +163,40 @@ def tensor_parallel_problems(cfg: Config) -> list[str]:
             f"trainer.data_parallel_size={t.data_parallel_size} with actor.tensor_model_parallel_size={tp}: "
             "the data-parallel size is trainer.num_workers / tensor_model_parallel_size; unset it."
         )
-    problems += plan_problems(cfg.actor.model.path, tp)
+    sp = cfg.actor.sequence_parallel
+    problems += plan_problems(cfg.actor.model.path, tp, sequence_parallel=sp)
     if cfg.critic.model_path:
-        problems += plan_problems(cfg.critic.model_path, tp, "critic.model_path")
+        problems += plan_problems(cfg.critic.model_path, tp, "critic.model_path", sp)
     return problems
+
+
+def data_parallel_replicas(cfg: Config) -> int:
+    """The model's replicas: workers / (tensor x pipeline parallel); the workers themselves when that does
+    not divide (mesh_problems refuses it)."""
+    n, split = (
+        cfg.trainer.num_workers,
+        cfg.actor.tensor_model_parallel_size * cfg.actor.pipeline_model_parallel_size,
+    )
+    return n // split if n % split == 0 else n
+
+
+def mesh_problems(cfg: Config) -> list[str]:
+    """A model-parallel mesh the workers cannot fill: trainer.num_workers = data parallel x pipeline stages x
+    tensor parallel."""
+    tp, pp, n = (
+        cfg.actor.tensor_model_parallel_size,
+        cfg.actor.pipeline_model_parallel_size,
+        cfg.trainer.num_workers,
+    )
+    if n % (tp * pp) == 0:
+        return []
+    keys = [f"actor.tensor_model_parallel_size={tp}"] * (tp > 1) + [
+        f"actor.pipeline_model_parallel_size={pp}"
+    ] * (pp > 1)
+    return [
+        f"{' x '.join(keys)} must divide trainer.num_workers={n} (workers = data parallel x pipeline x tensor "
+        f"parallel); set trainer.num_workers to a multiple of {tp * pp}."
+    ]
 
 
 def pipeline_problems(cfg: Config, needs_critic: bool) -> list[str]:
@@ -174,13 +206,20 @@ def pipeline_problems(cfg: Config, needs_critic: bool) -> list[str]:
         return []
     key = f"actor.pipeline_model_parallel_size={pp}"
     problems = []
-    if t.num_workers != pp:
+    replicas = t.num_workers // (pp * cfg.actor.tensor_model_parallel_size)
+    if replicas > 1 and t.strategy != "ddp":
         problems.append(
-            f"{key} with trainer.num_workers={t.num_workers}: this version runs one pipeline (no data "
-            f"parallelism across pipelines yet); set trainer.num_workers={pp}."
+            f"trainer.strategy={t.strategy} with {key} and {replicas} pipelines: the pipelines are data-parallel "
+            "replicas of the stages (gradients all-reduced, as DDP); set trainer.strategy=ddp."
+        )
+    if t.data_parallel_size is not None:
+        problems.append(
+            f"trainer.data_parallel_size={t.data_parallel_size} with {key}: the data-parallel size is "
+            "trainer.num_workers / (pipeline x tensor parallel); unset it."
         )
     unsupported = {
-        "actor.tensor_model_parallel_size > 1": cfg.actor.tensor_model_parallel_size > 1,
+        # the stages pass whole activations between them; sequence parallelism splits them inside a stage
+        "actor.sequence_parallel=true": cfg.actor.sequence_parallel,
         "a critic (adv_estimator gae)": needs_critic,
         "trainer.checkpoint_format=sharded": t.checkpoint_format == "sharded",
         "mixed_precision.enabled": cfg.mixed_precision.enabled,
@@ -211,7 +250,7 @@ def check_combinations(cfg: Config) -> None:
     except KeyError as exc:
         problems.append(str(exc.args[0]))
     problems += engine_problems(cfg.engine.type)
-    problems += pipeline_problems(cfg, bool(algo and algo.needs_critic))
+    problems += mesh_problems(cfg) + pipeline_problems(cfg, bool(algo and algo.needs_critic))
     if cfg.trainer.rollout_placement == "colocate" and (
         cfg.engine.type != "hf" or cfg.engine.num_engines > 1
     ):
@@ -227,7 +266,7 @@ def check_combinations(cfg: Config) -> None:
             f"engine.n={cfg.engine.n}: {what} compares completions of one prompt, so it needs engine.n >= 2."
         )
     responses = cfg.data.batch_size * cfg.engine.n
-    replicas = max(1, cfg.trainer.num_workers // cfg.actor.tensor_model_parallel_size)
+    replicas = data_parallel_replicas(cfg)
     if responses % replicas:
         problems.append(
             f"trainer.num_workers={cfg.trainer.num_workers}: data.batch_size x engine.n = {responses} "

@@ -159,11 +159,16 @@ class ActorConfig(Section):
         description="workers that split each decoder layer's matmuls (DTensor tensor parallelism, the "
         "architecture's own plan); trainer.num_workers = data parallel x this",
     )
+    sequence_parallel: bool = Field(
+        False,
+        description="with tensor parallelism: activations between the blocks (norms, residual stream) split "
+        "over the sequence across the TP workers (Megatron's sequence parallelism; Llama-family decoders)",
+    )
     pipeline_model_parallel_size: int = Field(
         1,
         ge=1,
-        description="pipeline stages (contiguous decoder layers, one worker each; torch.distributed.pipelining); "
-        "this version: trainer.num_workers = this, no tensor parallelism, no critic",
+        description="pipeline stages (contiguous decoder layers; torch.distributed.pipelining); "
+        "trainer.num_workers = data parallel x this x tensor_model_parallel_size; no critic",
     )
     pipeline_microbatches: int | None = Field(
         None,

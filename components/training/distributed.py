@@ -103,15 +103,19 @@ def make_comm(group=None) -> Comm:
     return DistComm(group) if dist.is_initialized() and dist.get_world_size(group) > 1 else Comm()
 
 
-def parallel_mesh(world_size: int, tensor_parallel_size: int, device: str):
-    """The (dp, tp) device mesh of a tensor-parallel group (TP peers on consecutive ranks, as on one node's
-    GPUs); None without tensor parallelism. Every rank must call it."""
-    if tensor_parallel_size == 1:
+def parallel_mesh(world_size: int, tensor_parallel_size: int, device: str, pipeline_parallel_size: int = 1):
+    """The device mesh of a model-parallel group, None without model parallelism: (dp, tp) with tensor
+    parallelism alone, (dp, pp, tp) with pipeline stages. A data-parallel replica is consecutive ranks, its
+    TP peers adjacent (as on one node's GPUs). Every rank must call it."""
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    if tp == 1 and pp == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    dp = world_size // tensor_parallel_size
-    return init_device_mesh(device, (dp, tensor_parallel_size), mesh_dim_names=("dp", "tp"))
+    dp = world_size // (tp * pp)
+    if pp == 1:
+        return init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
 
 
 @dataclass(frozen=True)
@@ -331,7 +335,7 @@ class PipelineStep(TorchStep):
         return self.pipeline.forward_backward(part.tensors, loss)
 
     def step(self) -> float:
-        self.pipeline.sync_tied_grads()
+        self.pipeline.sync_grads()
         norm = self.pipeline.clip_grad_norm(self.grad_clip)
         self.optimizer.step()
         return norm

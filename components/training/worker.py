@@ -123,26 +123,24 @@ class PolicyWorker:
         D.join_group(spec)
         self.rank, self.world_size = spec.rank, spec.world_size
         device = "cuda" if spec.backend == "nccl" else "cpu"
-        self.mesh = D.parallel_mesh(spec.world_size, s.parallel.tensor_parallel_size, device)
-        # the update loop's collectives span the data-parallel replicas: TP peers hold the same rows
+        p = s.parallel
+        self.mesh = D.parallel_mesh(spec.world_size, p.tensor_parallel_size, device, p.pipeline_parallel_size)
+        # the update loop's collectives span the data-parallel replicas: a replica's TP and pipeline workers
+        # hold the same rows
         self.comm = D.make_comm(self.mesh["dp"].get_group() if self.mesh is not None else None)
-        if s.parallel.pipeline_parallel_size > 1:  # every stage sees every row (one replica in this version)
-            self.comm = D.Comm()
         m = s.model
         self.tokenizer = load_tokenizer(m.path)
         self.images = load_image_encoder(m.path, self.tokenizer)  # None for a text-only policy
         policy = load_model(m.path, m.dtype, m.attention_implementation)
         freeze_vision(policy, m)
         self.pipeline = None
-        if s.parallel.pipeline_parallel_size > 1:  # this worker holds one stage of the layers
+        if p.pipeline_parallel_size > 1:  # this worker holds one stage of the layers (or its TP share)
             from components.training.pipeline_parallel import Pipeline
 
-            p, mem = s.parallel, s.memory
+            mem = s.memory
             if mem.gradient_checkpointing or mem.activation_checkpointing:
                 policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.pipeline = Pipeline(
-                policy, p.pipeline_parallel_size, p.pipeline_microbatches, p.pipeline_schedule
-            )
+            self.pipeline = Pipeline(policy, self.mesh, p.pipeline_microbatches, p.pipeline_schedule)
             self.model = self.pipeline.module
         else:
             self.model = self._wrap(policy)
@@ -181,7 +179,7 @@ class PolicyWorker:
         if self.mesh is not None:
             from components.training.tensor_parallel import parallelize
 
-            parallelize(model, self.mesh["tp"])
+            parallelize(model, self.mesh["tp"], self.s.parallel.sequence_parallel)
             if self.mesh["dp"].size() == 1:
                 return model
         return D.STRATEGIES.get(self.s.parallel.strategy)(

@@ -101,11 +101,17 @@ def test_two_workers_update_like_one(ray_up, tiny_model_dir, tokenizer, strategy
     "mesh",
     [
         pytest.param(("2", "1", []), id="tp2"),
-        pytest.param(("2", "2", ["trainer.strategy=fsdp"]), id="tp2xdp2", marks=pytest.mark.slow),
+        pytest.param(("2", "1", ["actor.sequence_parallel=true"]), id="tp2-sequence-parallel"),
+        pytest.param(
+            ("2", "2", ["trainer.strategy=fsdp", "actor.sequence_parallel=true"]),
+            id="tp2xdp2-sequence-parallel",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_tensor_parallel_updates_like_one_worker(ray_up, tiny_model_dir, tokenizer, mesh):
-    """Tensor parallel (DTensor, the architecture's own plan; with FSDP over the data-parallel replicas):
+    """Tensor parallel (DTensor, the architecture's own plan; with the sequence split between the blocks;
+    with FSDP over the data-parallel replicas):
     two PPO epochs over two mini-batches with micro-batches packed to a token budget, then a second update,
     give one worker's parameters within 1e-5, and the same loss, entropy and gradient norm."""
     tp, dp, extra = mesh
@@ -190,21 +196,31 @@ def three_layers(tmp_path_factory, tokenizer):
     return save_pretrained(model, tokenizer, tmp_path_factory.mktemp("three_layers") / "model"), start
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_pipeline_parallel_updates_like_one_worker(ray_up, three_layers, tokenizer, schedule):
-    """Two pipeline stages (the tied embedding on the first and last): PPO epochs, mini-batches and a token
-    budget over two updates give one worker's parameters within 1e-5, the same metrics, and a checkpoint one
-    worker resumes bit-identical to the stages' own."""
+# (workers, extra overrides): two stages alone (GPipe), two pipelines of two stages (data parallel), two stages
+# each split over two tensor-parallel workers (both 1F1B, the default schedule)
+PIPELINES = {
+    "pp2-gpipe": (2, ["actor.pipeline_schedule=gpipe"]),
+    "pp2xdp2": (4, []),
+    "pp2xtp2": (4, ["actor.tensor_model_parallel_size=2"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(PIPELINES))
+def test_pipeline_parallel_updates_like_one_worker(ray_up, three_layers, tokenizer, layout):
+    """Two pipeline stages (the tied embedding on the first and last), alone, as two data-parallel pipelines,
+    or each split over two TP workers: PPO epochs, mini-batches and a token budget over two updates give one
+    worker's parameters within 1e-5 and the same metrics."""
     model_dir, start = three_layers
+    n, extra = PIPELINES[layout]
     one, m1 = one_update(config(model_dir, *PPO_LOOP), tokenizer, 1, 2)
     pp = [
-        "trainer.num_workers=2",
+        f"trainer.num_workers={n}",
         "actor.pipeline_model_parallel_size=2",
         "actor.pipeline_microbatches=2",
-        f"actor.pipeline_schedule={schedule}",
+        *extra,
     ]
-    two, m2 = one_update(config(model_dir, *PPO_LOOP, *pp), tokenizer, 2, 2)
-    assert_same(one, two, 1e-5)
+    split, m2 = one_update(config(model_dir, *PPO_LOOP, *pp), tokenizer, n, 2)
+    assert_same(one, split, 1e-5)
     assert max(float((one[k] - start[k]).abs().max()) for k in one) > 1e-3
     for step in range(2):
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
@@ -213,14 +229,18 @@ def test_pipeline_parallel_updates_like_one_worker(ray_up, three_layers, tokeniz
 
 
 def test_a_pipeline_checkpoint_resumes_in_one_worker_and_back(ray_up, three_layers, tmp_path, tokenizer):
-    """A full checkpoint of two pipeline stages (AdamW moments, a tied embedding held by both ends) loads into
-    one worker and back into two stages, each writing it again bit-identical; its weights are what the
-    stages serve to the rollout engine."""
+    """A full checkpoint of two pipeline stages each split over two TP workers (AdamW moments, a tied
+    embedding held by both ends) loads into one worker and back into the 2x2 mesh, each writing it again
+    bit-identical; its weights are what the stages serve to the rollout engine."""
     model_dir, start = three_layers
-    pp = ["trainer.num_workers=2", "actor.pipeline_model_parallel_size=2"]
-    served, _ = save_and_reload(config(model_dir, *ADAM, *pp), 2, tokenizer, tmp_path / "pp2")
-    reload_in_one_worker(config(model_dir, *ADAM), tmp_path / "pp2", tmp_path / "one")
-    saved = assert_same_checkpoints(tmp_path / "pp2", tmp_path / "one", tmp_path / "pp2_again")
+    mesh = [
+        "trainer.num_workers=4",
+        "actor.pipeline_model_parallel_size=2",
+        "actor.tensor_model_parallel_size=2",
+    ]
+    served, _ = save_and_reload(config(model_dir, *ADAM, *mesh), 4, tokenizer, tmp_path / "pp2xtp2")
+    reload_in_one_worker(config(model_dir, *ADAM), tmp_path / "pp2xtp2", tmp_path / "one")
+    saved = assert_same_checkpoints(tmp_path / "pp2xtp2", tmp_path / "one", tmp_path / "pp2xtp2_again")
     assert max(float((saved[k] - start[k]).abs().max()) for k in saved) > 1e-4  # trained
     assert all(torch.equal(served[k], saved[k]) for k in saved)
 

@@ -83,8 +83,17 @@ def test_two_stages_give_the_whole_models_logits_and_gradients(tmp_path):
             r"actor\.pipeline_model_parallel_size=2 is more than the 1 decoder layers of actor\.model\.path",
         ),
         (
-            ["trainer.num_workers=4", "actor.pipeline_model_parallel_size=2"],
-            r"actor\.pipeline_model_parallel_size=2 with trainer\.num_workers=4: .*set trainer\.num_workers=2",
+            ["trainer.num_workers=3", "actor.pipeline_model_parallel_size=2"],
+            r"actor\.pipeline_model_parallel_size=2 must divide trainer\.num_workers=3 .*multiple of 2",
+        ),
+        (
+            [
+                "trainer.num_workers=4",
+                "actor.pipeline_model_parallel_size=2",
+                "trainer.strategy=fsdp",
+            ],
+            r"trainer\.strategy=fsdp with actor\.pipeline_model_parallel_size=2 and 2 pipelines: .*set "
+            r"trainer\.strategy=ddp",
         ),
         (
             ["trainer.num_workers=2", "actor.pipeline_model_parallel_size=2", "algorithm.name=ppo"],

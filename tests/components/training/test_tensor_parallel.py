@@ -75,6 +75,19 @@ def gpt2_dir(tmp_path, tokenizer):
             ["trainer.num_workers=2", "actor.tensor_model_parallel_size=2", "trainer.data_parallel_size=1"],
             r"trainer\.data_parallel_size=1 with actor\.tensor_model_parallel_size=2: .*unset it",
         ),
+        (
+            ["actor.sequence_parallel=true"],
+            r"actor\.sequence_parallel=true .* actor\.tensor_model_parallel_size=1; set it above 1",
+        ),
+        (
+            [
+                "trainer.num_workers=4",
+                "actor.tensor_model_parallel_size=2",
+                "actor.pipeline_model_parallel_size=2",
+                "actor.sequence_parallel=true",
+            ],
+            r"actor\.pipeline_model_parallel_size=2 with actor\.sequence_parallel=true is not supported",
+        ),
     ],
 )
 def test_impossible_meshes_fail_before_any_work_naming_the_key(tiny_model_dir, overrides, match):
@@ -92,6 +105,30 @@ def test_an_architecture_without_a_plan_is_named(tmp_path, tokenizer):
             None,
             [f"actor.model.path={path}", "trainer.num_workers=2", "actor.tensor_model_parallel_size=2"],
         )
+
+
+def test_sequence_parallelism_names_an_architecture_it_has_no_layout_for(tmp_path, tokenizer):
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    path = tmp_path / "gemma"
+    config = GemmaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    GemmaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    overrides = [
+        "trainer.num_workers=2",
+        "actor.tensor_model_parallel_size=2",
+        "actor.sequence_parallel=true",
+    ]
+    with pytest.raises(ConfigError, match=r"actor\.sequence_parallel=true: .* is a gemma model"):
+        load_config(None, [f"actor.model.path={path}", *overrides])
 
 
 def test_a_valid_mesh_loads(tiny_model_dir):
