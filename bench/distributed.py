@@ -1,7 +1,7 @@
-"""Policy-update throughput and peak memory per worker: 1 vs 2 workers (ddp, fsdp) and each memory and
-precision option, on a model big enough to be compute-bound on this CPU; padding processed by fixed-count
-vs token-budget micro-batches on mixed-length responses; the measured all-reduce bandwidth and the gradient
-compression it picks.
+"""Policy-update throughput, peak memory per worker and bytes per weight sync: 1 vs 2 workers (ddp, fsdp),
+LoRA against full fine-tuning, model parallelism and each memory and precision option, on a model big enough
+to be compute-bound on this CPU; padding processed by fixed-count vs token-budget micro-batches on
+mixed-length responses; the measured all-reduce bandwidth and the gradient compression it picks.
 
     python -m bench.distributed                  # ~25M-parameter model, 3 timed updates per setting
     python -m bench.distributed --hidden 256 --layers 2 --repeats 2   # quicker
@@ -69,7 +69,12 @@ def timed_updates(cfg, batch: Batch, n_workers: int, repeats: int) -> dict:
                 start = time.perf_counter()
                 metrics = group.update(batch)
                 times.append(time.perf_counter() - start)
+        import ray
+
+        # what one weight sync sends the rollout engine (every rank joins the gather; rank 0 answers)
+        sent = ray.get([a.get_weights.remote() for a in group.actors])[0][0]
         return {
+            "sync_mib": sum(t.numel() * t.element_size() for t in sent.values()) / 2**20,
             "s_per_update": statistics.median(times),
             "min_s": min(times),
             "max_s": max(times),
@@ -99,6 +104,12 @@ SETTINGS = [  # (name, workers, overrides)
         "4 workers tensor parallel x fsdp (tp2 x dp2)",
         4,
         ["actor.tensor_model_parallel_size=2", "trainer.strategy=fsdp"],
+    ),
+    ("1 worker LoRA r16 (adapters synced)", 1, ["actor.lora.rank=16", "actor.optimizer.lr=1e-3"]),
+    (
+        "1 worker LoRA r16, merged weights synced",
+        1,
+        ["actor.lora.rank=16", "actor.optimizer.lr=1e-3", "engine.lora_merge_on_sync=true"],
     ),
     (
         "2 workers tensor parallel + sequence parallel (tp2, sp)",
@@ -207,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(r)
         print(
             f"{name}: {r['s_per_update']:.2f} s/update, {r['tokens_per_s']:.0f} tokens/s, peak RSS per worker "
-            f"{r['peak_rss_gib']} GiB",
+            f"{r['peak_rss_gib']} GiB, {r['sync_mib']:.2f} MiB per weight sync",
             flush=True,
         )
 
@@ -236,15 +247,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         "| setting | workers | s / update (median) | tokens/s | vs 1 worker | peak RSS per worker (GiB) | "
-        "of it, above the loaded model (GiB) |"
+        "of it, above the loaded model (GiB) | sent per weight sync (MiB) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     ref = next((r for r in rows if r["setting"] == "1 worker"), rows[0] if rows else None)
     for r in rows:
         print(
             f"| {r['setting']} | {r['workers']} | {r['s_per_update']:.2f} | {r['tokens_per_s']:.0f} | "
             f"{ref['s_per_update'] / r['s_per_update']:.2f}x | {', '.join(map(str, r['peak_rss_gib']))} | "
-            f"{', '.join(map(str, r['update_rss_gib']))} |"
+            f"{', '.join(map(str, r['update_rss_gib']))} | {r['sync_mib']:.2f} |"
         )
     print(
         f"\npadding tokens computed in one update over {a.rows} mixed-length rows: untrimmed "

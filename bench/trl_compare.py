@@ -3,6 +3,7 @@ and hyper-parameters; alternated A B A B.
 
     python -m bench.trl_compare                          # W1 (beta 0 and 0.04) and W2, 2 pairs each
     python -m bench.trl_compare --workloads w1 --pairs 1 --steps 10      # quicker
+    python -m bench.trl_compare --modes sync one_step_off bounded_staleness --betas 0   # async modes
 
 Needs the `bench` extra (`pip install -e '.[bench]'`: TRL). W1: the default tiny model after SFT, 16 prompts x 8
 samples, up to 16 new tokens. W2: a ~25M-parameter model of the same architecture (wider, deeper; randomly
@@ -282,8 +283,20 @@ def child_trl(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> d
     }
 
 
-def run_child(framework: str, w: str, beta: float, steps: int, tag: str, extra: list[str]) -> dict:
-    out = WORK / f"{framework}_{w}_b{beta:g}_{tag}"
+MODES = ("sync", "one_step_off", "bounded_staleness")  # trainer.async_mode, each run as its own "framework"
+
+
+def framework_of(name: str) -> tuple[str, list[str]]:
+    """("trl" | "ours", overrides) of a run name: "trl", "ours" (the config's mode) or "ours:<async_mode>"."""
+    if name.startswith("ours:"):
+        return "ours", [f"trainer.async_mode={name.split(':', 1)[1]}"]
+    return name, []
+
+
+def run_child(name: str, w: str, beta: float, steps: int, tag: str, extra: list[str]) -> dict:
+    framework, mode = framework_of(name)
+    extra = extra + mode
+    out = WORK / f"{name.replace(':', '_')}_{w}_b{beta:g}_{tag}"
     res = out / "result.json"
     env = {
         **os.environ,
@@ -389,6 +402,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="bench/results/trl_compare.json")
     p.add_argument("--doc", default="docs/benchmarks.md")
     p.add_argument("--ours-overrides", nargs="*", default=[], help="extra key=value overrides for our runs")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        help="our runs in each of these trainer.async_mode (each beside TRL in every pair); default: the "
+        "config's mode only",
+    )
+    p.add_argument("--betas", nargs="+", type=float, help="only these of each workload's betas")
     p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument("--beta", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -416,11 +437,13 @@ def main(argv: list[str] | None = None) -> None:
         params, steps = n_params(model_dir(w)), a.steps if w == "w1" else a.w2_steps
         prompt_tokens = mean_prompt_tokens(w)
         start_acc = evaluate_acc(str(model_dir(w)), a.eval_rows, spec["max_new"])
-        for beta in spec["betas"]:
+        ours = [f"ours:{m}" for m in a.modes] if a.modes else ["ours"]
+        for beta in [b for b in spec["betas"] if a.betas is None or b in a.betas]:
             pairs = []
             for i in range(a.pairs):
                 pair = {}
-                for fw in ("trl", "ours") if i % 2 == 0 else ("ours", "trl"):  # A B, then B A
+                order = ["trl", *ours]
+                for fw in order if i % 2 == 0 else order[::-1]:  # A B C, then C B A
                     r = run_child(fw, w, beta, steps, str(i), a.ours_overrides)
                     r["summary"] = summarize(r, spec["prompts"] * spec["n"], prompt_tokens, params, flops)
                     r["acc"] = evaluate_acc(r.pop("final_model"), a.eval_rows, spec["max_new"])
@@ -430,19 +453,23 @@ def main(argv: list[str] | None = None) -> None:
                         f"acc {start_acc:.3f} -> {r['acc']:.3f}",
                         flush=True,
                     )
-                pair["ratio"] = pair["ours"]["summary"]["s_per_step"] / pair["trl"]["summary"]["s_per_step"]
                 pairs.append(pair)
-            results.append(
-                {
-                    "workload": w,
-                    "beta": beta,
-                    "params": params,
-                    "steps": steps,
-                    "start_acc": start_acc,
-                    "pairs": pairs,
-                    "median_ratio": statistics.median(p["ratio"] for p in pairs),
-                }
-            )
+            for name in ours:  # one result row per mode of ours, its own pairs with TRL's runs
+                mine = [{"trl": p["trl"], "ours": p[name]} for p in pairs]
+                for p in mine:
+                    p["ratio"] = p["ours"]["summary"]["s_per_step"] / p["trl"]["summary"]["s_per_step"]
+                results.append(
+                    {
+                        "workload": w,
+                        "beta": beta,
+                        "mode": name.split(":", 1)[1] if ":" in name else "config",
+                        "params": params,
+                        "steps": steps,
+                        "start_acc": start_acc,
+                        "pairs": mine,
+                        "median_ratio": statistics.median(p["ratio"] for p in mine),
+                    }
+                )
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
@@ -479,19 +506,25 @@ def report(results: list[dict], meta: dict) -> str:
         f"torch {meta['torch']}, transformers {meta['transformers']}, TRL {meta['trl']}; float32 matmul "
         f"{meta['matmul_gflops']:.1f} GFLOP/s (2 threads). Command: `{meta['command']}`.\n",
         "Medians over steps, then over the A/B pairs; ratio = ours / TRL seconds per step, per pair.\n",
-        "| workload | beta | params | s/step TRL (min-max) | s/step ours (min-max) | ours/TRL | rollout tok/s "
-        "TRL / ours | ours % of rollout bound | update tok/s TRL / ours | ours % of update bound | peak RSS "
-        "GiB TRL / ours | peak PSS GiB TRL / ours | held-out acc start -> TRL / ours |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | beta | our async_mode | params | s/step TRL (min-max) | s/step ours (min-max) | ours/TRL | "
+        "overlap / step (ours) | rollout tok/s TRL / ours | ours % of rollout bound | update tok/s TRL / ours | "
+        "ours % of update bound | peak RSS GiB TRL / ours | peak PSS GiB TRL / ours | held-out acc start -> "
+        "TRL / ours |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         t = [p["trl"]["summary"] for p in r["pairs"]]
         o = [p["ours"]["summary"] for p in r["pairs"]]
+        overlap = _med(
+            p["ours"]["stages"].get("timing_s/overlap", 0.0) / p["ours"]["stages"]["timing_s/step"]
+            for p in r["pairs"]
+        )
         lines.append(
-            f"| {r['workload']} | {r['beta']:g} | {r['params'] / 1e6:.1f} M | {_med(s['s_per_step'] for s in t):.3f} "
+            f"| {r['workload']} | {r['beta']:g} | {r.get('mode', 'config')} | {r['params'] / 1e6:.1f} M | "
+            f"{_med(s['s_per_step'] for s in t):.3f} "
             f"({min(s['min_s'] for s in t):.3f}-{max(s['max_s'] for s in t):.3f}) | "
             f"{_med(s['s_per_step'] for s in o):.3f} ({min(s['min_s'] for s in o):.3f}-"
-            f"{max(s['max_s'] for s in o):.3f}) | **{r['median_ratio']:.2f}** | "
+            f"{max(s['max_s'] for s in o):.3f}) | **{r['median_ratio']:.2f}** | {100 * overlap:.0f} % | "
             f"{_med(s['rollout_tps'] for s in t):.0f} / {_med(s['rollout_tps'] for s in o):.0f} | "
             f"{100 * _med(s['rollout_frac'] for s in o):.0f} % | {_med(s['update_tps'] for s in t):.0f} / "
             f"{_med(s['update_tps'] for s in o):.0f} | {100 * _med(s['update_frac'] for s in o):.0f} % | "
@@ -502,11 +535,11 @@ def report(results: list[dict], meta: dict) -> str:
         )
     lines += ["\n## Our step, stage by stage (median seconds)\n"]
     keys = sorted({k for r in results for p in r["pairs"] for k in p["ours"]["stages"]})
-    lines += ["| workload | beta | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+    lines += ["| workload | beta | mode | " + " | ".join(keys) + " |", "|---|---|---|" + "---|" * len(keys)]
     for r in results:
         st = [p["ours"]["stages"] for p in r["pairs"]]
         lines.append(
-            f"| {r['workload']} | {r['beta']:g} | "
+            f"| {r['workload']} | {r['beta']:g} | {r.get('mode', 'config')} | "
             + " | ".join(f"{_med(s.get(k, float('nan')) for s in st):.4f}" for k in keys)
             + " |"
         )
@@ -518,7 +551,8 @@ def report(results: list[dict], meta: dict) -> str:
     for r in results:
         orch = [orchestration(p["ours"]["stages"]) for p in r["pairs"]]
         lines.append(
-            f"- {r['workload']} beta {r['beta']:g}: {_med(o[0] for o in orch):.4f} s per step, "
+            f"- {r['workload']} beta {r['beta']:g} {r.get('mode', 'config')}: "
+            f"{_med(o[0] for o in orch):.4f} s per step, "
             f"{100 * _med(o[1] for o in orch):.1f} % of the step"
         )
     lines += [
@@ -529,7 +563,8 @@ def report(results: list[dict], meta: dict) -> str:
     for r in results:
         for fw in ("trl", "ours"):
             rw = r["pairs"][0][fw]["reward"]
-            lines.append(f"| {r['workload']} | {r['beta']:g} | {fw} | {' '.join(f'{x:.2f}' for x in rw)} |")
+            name = f"ours ({r.get('mode', 'config')})" if fw == "ours" else fw
+            lines.append(f"| {r['workload']} | {r['beta']:g} | {name} | {' '.join(f'{x:.2f}' for x in rw)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -38,6 +38,8 @@ def rollout_batch(
             "response_mask": out.response_mask,
             "rollout_logprobs": out.logprobs,
             "group_ids": torch.arange(len(rows)).repeat_interleave(n),
+            # the weights version that sampled each row: its staleness when it trains (async modes)
+            "sample_version": torch.full((len(out.responses),), out.weights_version, dtype=torch.long),
         },
         non_tensors={
             "ground_truth": reps([r["reward_model"]["ground_truth"] for r in rows]),

@@ -5,6 +5,11 @@ Every stage is a task (tasks/rl.py, tasks/tracking.py); this flow only orders th
 iteration; `recover` is what happens when a worker dies; `collect` is generation and rewards, repeated by DAPO's
 dynamic sampling until data.batch_size groups with differing rewards are kept. The run plan (components/
 plan.py) is made once from the config; the flow and the workers read it, never the config.
+
+Asynchronous modes (trainer.async_mode): the gen and reward tasks of the next iterations are submitted as
+Prefect futures (`sample_ahead`) before this iteration's update runs, sampling with the weights the engine
+holds (from before the update); the update's weights reach the engine once those rollouts are done
+(`push_after_ahead`), and a checkpoint holds the rollouts sampled ahead, so a resume trains on exactly them.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pathlib import Path
 from prefect import flow
 
 from components.algorithms.shaping import KLController
+from components.batch import Batch
 from components.config import Config, load_config
 from components.data.sampler import PromptSampler
 from components.locking import exclusive
@@ -25,6 +31,7 @@ from components.outputs import TRAIN_OUTPUT, check_output, claim_output
 from components.plan import RunPlan, make_plan
 from components.progress import console, iteration_line, progress_bar
 from components.rewards.registry import scorers_for
+from components.rollout.staleness import overlap_seconds, staleness_metrics, within_bound
 from components.services import PrefectWatch
 from components.shutdown import note, on_stop, stop, stopping
 from components.tracking import checkpoints, runs
@@ -83,9 +90,114 @@ class Run:
         None  # (iteration, batch, reward metrics, sampler state) until the iteration is done
     )
     history: list[dict] = field(default_factory=list)
+    ahead: list[Ahead] = field(
+        default_factory=list
+    )  # async modes: rollouts sampled ahead, in iteration order
 
     def stop_workers(self) -> None:
         stop_workers(self.workers)
+
+
+@dataclass
+class Ahead:
+    """A rollout sampled ahead of the update (trainer.async_mode): its iteration and its gen and reward task
+    futures, or (restored from a checkpoint, or taken) its scored batch and reward metrics."""
+
+    iteration: int
+    gen: object = None  # PrefectFuture[Batch]
+    reward: object = None  # PrefectFuture[(Batch, metrics)]
+    scored: tuple | None = None
+
+    def result(self) -> tuple:
+        if self.scored is None:
+            self.scored = self.reward.result()
+        return self.scored
+
+    def gen_window(self) -> tuple[float, float] | None:
+        """When its generation ran (waiting for it to end): None for one restored from a checkpoint."""
+        if self.gen is None:
+            return None
+        return tuple(self.gen.result().meta["gen_window"])
+
+    def to_bytes(self) -> bytes:
+        batch, metrics = self.result()
+        return Batch(batch.tensors, batch.non_tensors, {**batch.meta, "reward_metrics": metrics}).to_bytes()
+
+    @staticmethod
+    def from_bytes(iteration: int, data: bytes) -> Ahead:
+        batch = Batch.from_bytes(data)
+        return Ahead(iteration, scored=(batch, batch.meta.pop("reward_metrics")))
+
+
+AHEAD_DIR = "ahead"  # a checkpoint's rollouts sampled ahead: ahead/iter_NNNNNN.batch
+
+
+def sample_ahead(run: Run) -> None:
+    """Submit the gen and reward tasks of the iterations from run.iteration to plan.ahead batches past it
+    (never past the last), each sampling with the weights the engine holds now (run.version): their futures
+    run beside the update. Rows are drawn here, in iteration order, as the synchronous loop draws them."""
+    plan = run.plan
+    have = {a.iteration for a in run.ahead}
+    for it in range(run.iteration, min(run.iteration + plan.ahead, plan.iterations) + 1):
+        if it in have:
+            continue
+        rows = [run.train_rows[i] for i in run.sampler.next_indices()]
+        # (no Prefect timeout: it cannot interrupt a worker thread; the Ray calls inside have theirs)
+        gen = generate_rollouts.with_options(task_run_name=f"gen[it={it}]", timeout_seconds=None).submit(
+            run.workers, rows, plan, it, run.version
+        )
+        reward = score_rewards.with_options(task_run_name=f"reward[it={it}]", timeout_seconds=None).submit(
+            gen, run.tokenizer, plan, run.workers, run.scorers
+        )
+        run.ahead.append(Ahead(it, gen, reward))
+
+
+def take_ahead(run: Run, timer: Timer) -> tuple:
+    """This iteration's rollout from those sampled ahead, its samples older than trainer.max_staleness dropped
+    (sampled again now, when none is left); with async/* metrics."""
+    # the next iterations' (and this one's, when none was sampled ahead: the first, or after a restore) start
+    # now, with the weights before this iteration's update, and sample beside it
+    sample_ahead(run)
+    mine = next(a for a in run.ahead if a.iteration == run.iteration)
+    start = time.perf_counter()
+    batch, metrics = mine.result()
+    timer.add("wait_rollout", time.perf_counter() - start)
+    run.ahead.remove(mine)
+    window = mine.gen_window()
+    if window is not None:
+        timer.add("gen", window[1] - window[0])
+        timer.add("gen_compute", batch.meta.get("gen_seconds", 0.0))
+    kept, dropped = within_bound(batch, run.version, run.plan.max_staleness)
+    if not len(kept):  # all too old: a fresh rollout with the weights the engine holds now
+        kept, metrics = collect(run, timer)
+    elif run.plan.algorithm.dynamic_sampling:
+        kept, metrics = collect(run, timer, first=(kept, metrics))
+    return kept, {**metrics, **staleness_metrics(kept, run.version, dropped)}
+
+
+def push_after_ahead(run: Run, train_span_start: float) -> dict[str, float]:
+    """Asynchronous modes: the update's weights into the engine once the rollouts sampling with the previous
+    weights are done (the engine runs them first anyway: it waits no longer than the copy); with
+    timing_s/overlap, the seconds of this iteration's training they sampled beside."""
+    windows = [w for w in (a.gen_window() for a in run.ahead) if w is not None]
+    overlap = overlap_seconds(windows, (train_span_start, time.perf_counter()))
+    start = time.perf_counter()
+    run.version = sync_weights(run.workers)
+    return {"timing_s/overlap": overlap, "timing_s/update_weights": time.perf_counter() - start}
+
+
+def ahead_files(run: Run) -> dict[str, bytes]:
+    """The rollouts sampled ahead, for the checkpoint: a resume trains on exactly these (their weights are
+    not the checkpoint's, so they could not be sampled again)."""
+    return {f"{AHEAD_DIR}/iter_{a.iteration:06d}.batch": a.to_bytes() for a in run.ahead}
+
+
+def restore_ahead(run: Run) -> None:
+    """The checkpoint's rollouts sampled ahead (none in the synchronous loop)."""
+    run.ahead = [
+        Ahead.from_bytes(int(p.stem.removeprefix("iter_")), p.read_bytes())
+        for p in sorted((Path(run.checkpoint) / AHEAD_DIR).glob("iter_*.batch"))
+    ]
 
 
 class Timer:
@@ -105,8 +217,9 @@ class Timer:
         return out
 
 
-def collect(run: Run, timer: Timer) -> tuple:
-    """gen + reward; with dynamic sampling, more rounds until data.batch_size informative groups are kept."""
+def collect(run: Run, timer: Timer, first: tuple | None = None) -> tuple:
+    """gen + reward; with dynamic sampling, more rounds until data.batch_size informative groups are kept
+    (after `first`, a scored round sampled ahead, when given)."""
     plan = run.plan
 
     def one_round(round_: int):
@@ -115,7 +228,7 @@ def collect(run: Run, timer: Timer) -> tuple:
         timer.add("gen_compute", batch.meta.get("gen_seconds", 0.0))  # the rollout worker's own part
         return timer("reward", score_rewards, batch, run.tokenizer, plan, run.workers, run.scorers)
 
-    batch, metrics = one_round(0)
+    batch, metrics = first or one_round(0)
     if not plan.algorithm.dynamic_sampling:
         return batch, metrics
     rounds = [batch]
@@ -136,8 +249,9 @@ def iteration(run: Run) -> dict[str, float]:
         _, batch, m_reward, sampler_state = run.scored  # so each sample is scored once
         run.sampler.load_state_dict(sampler_state)
     else:
-        batch, m_reward = collect(run, timer)
+        batch, m_reward = take_ahead(run, timer) if plan.async_mode != "sync" else collect(run, timer)
         run.scored = (it, batch, m_reward, run.sampler.state_dict())
+    train_start = time.perf_counter()
     if plan.algorithm.needs_critic or plan.policy.need_old or workers.reference is not None:
         batch, t_prep = prepare_batch(workers, batch)
         timer.seconds.update(t_prep)
@@ -145,7 +259,12 @@ def iteration(run: Run) -> dict[str, float]:
     if run.kl_ctrl is not None:
         run.kl_ctrl.update(m_adv["actor/reward_kl_penalty"], len(batch))
     m_critic = timer("update_critic", update_critic, workers, batch) if plan.algorithm.needs_critic else {}
-    m_actor, run.version = update_policy(workers, batch)  # its own timing_s/update_actor, _weights
+    update = update_policy.with_options(task_run_name=f"update-actor[it={it}]")
+    if plan.async_mode == "sync":
+        m_actor, run.version = update(workers, batch)  # its own timing_s/update_actor, _weights
+    else:
+        m_actor, _ = update(workers, batch, push=False)
+        m_actor.update(push_after_ahead(run, train_start))
     metrics = {**m_reward, **m_adv, **m_critic, **m_actor}
     if it % plan.test_interval == 0 or it == plan.iterations:
         samples: list[dict] = []
@@ -174,6 +293,7 @@ def iteration(run: Run) -> dict[str, float]:
                 **run.fingerprint.state(),
                 **({"kl_ctrl": run.kl_ctrl.state_dict()} if run.kl_ctrl is not None else {}),
             },
+            ahead_files(run),
         )
         run.tracker.log_metrics(checkpoint_metrics(run.state), it)
         metrics.update(checkpoint_metrics(run.state))
@@ -188,10 +308,12 @@ def restore(run: Run) -> None:
     )
     if run.kl_ctrl is not None:
         run.kl_ctrl.load_state_dict(run.state.get("kl_ctrl", {"value": run.kl_ctrl.start}))
+    run.ahead = []  # sampled by workers that are gone, or by none yet: a checkpoint's are restored below
     if run.checkpoint is None:
         run.version, run.iteration = 0, 1
         return
     restore_checkpoint(run.workers, run.checkpoint)
+    restore_ahead(run)
     if run.state.get("mlflow_run_id") == run.tracker.run_id:  # its own run: if killed before this was logged
         run.tracker.log_metrics(checkpoint_metrics(run.state), run.state["iteration"])
     run.version, run.iteration = sync_weights(run.workers), run.state["iteration"] + 1
@@ -211,6 +333,8 @@ def recover(run: Run, exc: Exception, rebuilds: int) -> None:
         run.plan.max_worker_rebuilds,
     )
     run.workers = rebuild_workers(run.workers, run.plan)
+    if run.plan.async_mode != "sync":  # the checkpoint's rollouts sampled ahead replace those in flight, and
+        run.scored = None  # the iteration's own is among them (or sampled again): the sampler stays in step
     if run.checkpoint is not None:
         checkpoints.verify(Path(run.checkpoint))
     restore(run)

@@ -27,6 +27,19 @@ class Stage(Task):
             **{k: opaque(v) for k, v in kwargs.items()},
         )
 
+    def submit(self, *args: Any, return_state: bool = False, wait_for: Any = None, **kwargs: Any) -> Any:
+        """The same, run in the flow's task runner (a future); an upstream future passed as an argument is
+        still resolved (its result, once it has one), the rest passed opaque."""
+        from prefect.futures import PrefectFuture
+
+        wrap = lambda v: v if isinstance(v, PrefectFuture) else opaque(v)  # noqa: E731
+        return super().submit(
+            *(wrap(a) for a in args),
+            return_state=return_state,
+            wait_for=wait_for,
+            **{k: wrap(v) for k, v in kwargs.items()},
+        )
+
 
 def stage(**options: Any):
     """@stage(name=..., retries=...): a Stage task with STAGE's defaults (no cache, a timeout) under options."""

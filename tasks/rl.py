@@ -90,7 +90,8 @@ def generate_rollouts(
     gets one greedy completion per prompt. `round_` counts dynamic sampling's extra rounds. A dead engine is
     the rollout group's to restart (and its share retried), not this task's."""
     seed = derive_seed(plan.seed, iteration, "rollout", *([round_] if round_ else []))
-    return workers.sample(
+    start = time.perf_counter()
+    batch = workers.sample(
         rows,
         plan.sampling,
         seed,
@@ -99,6 +100,8 @@ def generate_rollouts(
         plan.algorithm.needs_baseline,
         _engine_seeds(workers, seed),
     )
+    batch.meta["gen_window"] = (start, time.perf_counter())  # when it ran: its overlap with the update
+    return batch
 
 
 def scorer(plan: RunPlan, scorers: dict):
@@ -170,9 +173,11 @@ def update_critic(workers: Workers, batch: Batch) -> dict[str, float]:
 
 
 @stage(name="update-actor")
-def update_policy(workers: Workers, batch: Batch) -> tuple[dict[str, float], int]:
-    """One policy update on the workers, then its weights into the rollout engine; returns the update's
-    metrics (timing_s/update_actor and timing_s/update_weights among them) and the new weights version.
+def update_policy(workers: Workers, batch: Batch, push: bool = True) -> tuple[dict[str, float], int]:
+    """One policy update on the workers, then (`push`) its weights into the rollout engine; returns the
+    update's metrics (timing_s/update_actor and timing_s/update_weights among them) and the weights version
+    the engine holds. Asynchronous modes push later (sync_weights), once the rollouts sampling with the
+    previous weights are done.
 
     One task, not two: each task run costs the Prefect server ~20 ms of CPU. The update is never retried (it
     would step twice); a push that fails because the rollout actor died is not an error of the update: Ray
@@ -180,6 +185,8 @@ def update_policy(workers: Workers, batch: Batch) -> tuple[dict[str, float], int
     start = time.perf_counter()
     metrics = workers.policy.update(batch)
     synced = time.perf_counter()
+    if not push:
+        return {**metrics, "timing_s/update_actor": synced - start}, -1
     try:
         version = workers.push_weights()
     except Exception as exc:

@@ -102,17 +102,31 @@ def start_run(
 
 @stage(name="save-checkpoint")
 def save_checkpoint(
-    workers: Workers, tracker: Tracker, cfg: Config, resume: runs.ResumePlan, iteration: int, state: dict
+    workers: Workers,
+    tracker: Tracker,
+    cfg: Config,
+    resume: runs.ResumePlan,
+    iteration: int,
+    state: dict,
+    files: dict[str, bytes] | None = None,
 ) -> tuple[str, dict]:
     """Atomic checkpoint in the run's own directory (the policy worker's model, optimizer, scheduler, RNG and
-    critic; the driver's `state`: sampler position, weights version, controller, run fingerprint) logged to
-    MLflow as an artifact. Returns its directory and its state.json (checkpoint_metrics reads the save's timing
-    from it). The metrics queued so far are stored first: a checkpoint never gets ahead of its run's metrics."""
+    critic; the driver's `state`: sampler position, weights version, controller, run fingerprint; `files`:
+    the driver's own files, such as the rollouts sampled ahead) logged to MLflow as an artifact. Returns its
+    directory and its state.json (checkpoint_metrics reads the save's timing from it). The metrics queued so
+    far are stored first: a checkpoint never gets ahead of its run's metrics."""
     tracker.flush()
+
+    def write(out: Path) -> None:
+        workers.policy.write_checkpoint(str(out), cfg.trainer.save_optimizer)
+        for name, data in (files or {}).items():
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            (out / name).write_bytes(data)
+
     path = checkpoints.save_checkpoint(
         resume.checkpoints,
         iteration,
-        lambda out: workers.policy.write_checkpoint(str(out), cfg.trainer.save_optimizer),
+        write,
         {
             **state,
             "mlflow_run_id": tracker.run_id,

@@ -170,6 +170,79 @@ def tensor_parallel_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def lora_config_problems(cfg: Config) -> list[str]:
+    """What LoRA cannot be combined with in this version, a quantized base without a GPU, an engine that
+    takes no adapters, and adapters the model cannot take (components/models/lora.py)."""
+    lora, t = cfg.actor.lora, cfg.trainer
+    if lora.rank == 0:
+        if lora.quantization != "none":
+            return [
+                f"actor.lora.quantization={lora.quantization} quantizes the frozen base under LoRA adapters, but "
+                "actor.lora.rank=0 trains the whole model; set actor.lora.rank (16 is common) or quantization=none."
+            ]
+        return []
+    problems = []
+    if lora.quantization != "none":
+        import torch
+
+        why = (
+            "no CUDA GPU is visible"
+            if not torch.cuda.is_available()
+            else "package `bitsandbytes` is not installed (pip install 'reinforge[gpu]')"
+            if importlib.util.find_spec("bitsandbytes") is None
+            else None
+        )
+        if why:
+            problems.append(
+                f"actor.lora.quantization={lora.quantization}: a quantized base (QLoRA) needs bitsandbytes on a "
+                f"CUDA GPU, and {why}; set actor.lora.quantization=none on this machine."
+            )
+    if cfg.engine.type != "hf" and not cfg.engine.lora_merge_on_sync:
+        problems.append(
+            f"actor.lora.rank={lora.rank} with engine.type={cfg.engine.type}: this version sends adapters alone "
+            "only to the hf engine; set engine.lora_merge_on_sync=true (merged full weights after each update)."
+        )
+    unsupported = {
+        "actor.tensor_model_parallel_size > 1": cfg.actor.tensor_model_parallel_size > 1,
+        "actor.pipeline_model_parallel_size > 1": cfg.actor.pipeline_model_parallel_size > 1,
+        "trainer.strategy=deepspeed": t.strategy == "deepspeed",
+        "trainer.checkpoint_format=sharded": t.checkpoint_format == "sharded",
+        "actor.model.type=multimodal": cfg.actor.model.type == "multimodal",
+    }
+    for what, present in unsupported.items():
+        if present:
+            problems.append(
+                f"actor.lora.rank={lora.rank} with {what} is not supported in this version; set one of them back."
+            )
+    from components.models.lora import LoraSettings, lora_problems
+
+    return problems + lora_problems(cfg.actor.model.path, LoraSettings.from_config(lora))
+
+
+def async_problems(cfg: Config) -> list[str]:
+    """Asynchronous modes need an engine with weights of its own, awake while the policy updates."""
+    t, mode = cfg.trainer, cfg.trainer.async_mode
+    if mode == "sync":
+        return []
+    key, problems = f"trainer.async_mode={mode}", []
+    if mode == "one_step_off" and t.max_staleness not in (None, 1):
+        problems.append(
+            f"{key} samples exactly one policy version behind, but trainer.max_staleness={t.max_staleness}; "
+            "unset it, or use trainer.async_mode=bounded_staleness."
+        )
+    if t.rollout_placement == "colocate":
+        problems.append(
+            f"{key} with trainer.rollout_placement=colocate: a colocated engine samples with the policy's own "
+            "parameters, which the update is changing; set trainer.rollout_placement=separate (or auto)."
+        )
+    if cfg.engine.sleep_during_update:
+        problems.append(
+            f"{key} with engine.sleep_during_update=true: the engine samples during the update; set "
+            "engine.sleep_during_update=false (or trainer.async_mode=sync to share the GPU)."
+        )
+    return problems
+
+
 def data_parallel_replicas(cfg: Config) -> int:
     """The model's replicas: workers / (tensor x pipeline parallel); the workers themselves when that does
     not divide (mesh_problems refuses it)."""
@@ -251,6 +324,7 @@ def check_combinations(cfg: Config) -> None:
         problems.append(str(exc.args[0]))
     problems += engine_problems(cfg.engine.type)
     problems += mesh_problems(cfg) + pipeline_problems(cfg, bool(algo and algo.needs_critic))
+    problems += async_problems(cfg) + lora_config_problems(cfg)
     if cfg.trainer.rollout_placement == "colocate" and (
         cfg.engine.type != "hf" or cfg.engine.num_engines > 1
     ):

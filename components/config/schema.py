@@ -136,9 +136,29 @@ class OptimizerConfig(Section):
     grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
 
 
+class LoraConfig(Section):
+    """Low-rank adapters over the frozen policy (peft): rank 0 trains the whole model."""
+
+    rank: int = Field(0, ge=0, description="adapter rank r; 0 = full fine-tuning")
+    alpha: float = Field(16.0, gt=0, description="adapter scale alpha (the update is alpha / r x B A)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="linear layers that get adapters, by name (q_proj, v_proj, ...); all-linear = every linear "
+        "layer of the decoder (not the LM head)",
+    )
+    init: Literal["default", "gaussian"] = Field(
+        "default", description="adapter init (peft): A random, B zero, so the start is the base model"
+    )
+    quantization: Literal["none", "4bit", "8bit"] = Field(
+        "none", description="QLoRA: the frozen base loaded in 4 or 8 bits (bitsandbytes, CUDA only)"
+    )
+
+
 class ActorConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="policy model")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="policy optimizer")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (rank 0: full weights)")
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     ppo_mini_batch_size: int | None = Field(
         None, ge=1, description="responses per optimizer step; None = all"
@@ -224,6 +244,11 @@ class EngineConfig(Section):
         False,
         description="free the engine's KV cache (vLLM sleep, SGLang release) "
         "while the policy updates on the same GPU",
+    )
+    lora_merge_on_sync: bool = Field(
+        False,
+        description="with actor.lora: send the engine merged full weights after each update instead of the "
+        "adapters alone (for engines without adapter support)",
     )
 
 
@@ -514,7 +539,19 @@ class TrainerConfig(Section):
     rollout_placement: Literal["auto", "colocate", "separate"] = Field(
         "auto",
         description="rollout engine inside policy worker 0, sampling with its own parameters (no weight "
-        "copy), or in an actor of its own; auto = colocate with one worker and engine.type=hf",
+        "copy), or in an actor of its own; auto = colocate with one worker, engine.type=hf and async_mode=sync",
+    )
+    async_mode: Literal["sync", "one_step_off", "bounded_staleness"] = Field(
+        "sync",
+        description="sync: each rollout waits for the update before it; one_step_off: batch k+1 is sampled "
+        "(with the weights from before update k) while the policy updates on batch k; bounded_staleness: up "
+        "to max_staleness batches sampled ahead, a batch older than that dropped",
+    )
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="policy versions a sample may lag the policy it trains (bounded_staleness: also the "
+        "batches sampled ahead); None = 1. one_step_off: 1",
     )
     min_workers: int = Field(
         1,
@@ -537,7 +574,12 @@ class TrainerConfig(Section):
         description="testing: hold the bandwidth measurement "
         "to this rate, as on a slow link (None = measure as is)",
     )
-    num_threads: int = Field(2, ge=1, description="torch threads per worker")
+    num_threads: int = Field(
+        2,
+        ge=1,
+        description="torch threads per worker (asynchronous modes: split between the engine and the policy, "
+        "which compute at once)",
+    )
     experiment_name: str = Field("reinforge", description="MLflow experiment")
     eval_k: int = Field(4, ge=1, description="samples per prompt for mean@k / pass@k")
     eval_size: int | None = Field(None, ge=1, description="held-out prompts evaluated (None = all)")

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from transformers.utils import logging as hf_logging
 
 from components.errors import ConfigError, OutputError
+from components.models.lora import ADAPTER_WEIGHTS, adapter_base, is_adapter_dir, load_merged
 from components.models.vlm import is_vlm_dir, load_processor, processor_image_tokens
 from components.outputs import MODEL, marker_kind, write_marker
 
@@ -47,6 +48,14 @@ def check_model_dir(path: str | Path, key: str, weights: bool = True) -> Path:
     """`path` as a Hugging Face model directory: config.json, and (with `weights`) safetensors weights.
     ConfigError naming `key` and the fix otherwise; nothing is loaded."""
     p = Path(path)
+    if is_adapter_dir(p):  # a LoRA adapter directory (peft): its weights, and the base model it names
+        if not (p / ADAPTER_WEIGHTS).is_file():
+            raise ConfigError(
+                f"{key}={path}: adapter_config.json is there but not {ADAPTER_WEIGHTS}; copy it in, or point "
+                "it at a complete adapter or model directory."
+            )
+        check_model_dir(adapter_base(p), f"{key} (the base model {p}/adapter_config.json names)", weights)
+        return p
     if not (p / "config.json").is_file():
         raise ConfigError(
             f"{key}={path}: no Hugging Face model there (config.json missing). Run `reinforge sft` "
@@ -141,8 +150,11 @@ def load_model(
     safetensors_only: bool = True,
 ) -> PreTrainedModel:
     """A causal LM from local disk only, in `dtype`, with the named attention kernel. Weights load from
-    safetensors only (check_model_dir refuses a pickle-only directory with the command that converts it)."""
+    safetensors only (check_model_dir refuses a pickle-only directory with the command that converts it). A
+    LoRA adapter directory loads as its base model with the adapters merged."""
     p = check_model_dir(path, key, weights=safetensors_only)
+    if is_adapter_dir(p):  # LoRA adapters: their base with them merged in, one plain model
+        return load_merged(p, lambda base: load_model(base, dtype, attn, key, safetensors_only))
     if is_vlm_dir(p):  # a vision-language model (ours, LLaVA): transformers' image-text-to-text classes
         from transformers import AutoModelForImageTextToText
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from components.models.lora import is_lora
 from components.models.vlm import image_token_id
 from components.rollout.base import PromptImages, RolloutOutput, SamplingParams, check_newer
 from components.rollout.fast_decode import LeanDecoder, prefill_mask, unsupported_reason
@@ -39,6 +40,17 @@ class HFEngine:
         self.slow_reason = unsupported_reason(model) if fast_decode else "fast_decode=False"
         self.lean = LeanDecoder(model) if self.slow_reason is None else None
         self.banned = image_token_id(model)  # a VLM's image token is never sampled
+        self.adapters = False  # updates carry LoRA adapters alone (use_adapters)
+        if is_lora(model):  # a colocated LoRA policy: its adapters sit in transformers' forward
+            self.slow_reason, self.lean = "LoRA adapters", None
+
+    def use_adapters(self, s) -> None:
+        """Hold LoRA adapters (components/models/lora.LoraSettings) over this engine's base model: each update
+        then carries the adapters alone, and sampling goes through transformers' forward, where they sit."""
+        from components.models.lora import apply_lora
+
+        self.model = apply_lora(self.model, s).eval()
+        self.slow_reason, self.lean, self.adapters = "LoRA adapters", None, True
 
     @classmethod
     def from_path(
@@ -61,7 +73,12 @@ class HFEngine:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         check_newer(self.weights_version, version)
-        self.model.load_state_dict(state_dict, strict=True)
+        if self.adapters:
+            from components.models.lora import load_adapter_state
+
+            load_adapter_state(self.model, state_dict, f"rollout engine, weights version {version}")
+        else:
+            self.model.load_state_dict(state_dict, strict=True)
         self.weights_version = version
 
     def mark_current(self, version: int) -> None:

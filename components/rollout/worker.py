@@ -11,6 +11,7 @@ import torch
 from components.batch import Batch
 from components.data.prompts import PromptSettings, encode_prompts
 from components.models.loading import load_image_encoder, load_tokenizer
+from components.models.lora import LoraSettings
 from components.rl import rollout_batch
 from components.rollout.base import PromptImages, SamplingParams, make_engine
 from components.rollout.completions import EngineOptions
@@ -27,6 +28,7 @@ class RolloutSettings:
     num_threads: int = 2
     multi_turn: MultiTurnSettings | None = None
     prompts: PromptSettings = field(default_factory=PromptSettings)
+    lora: LoraSettings | None = None  # the policy's adapters, which this engine's copy holds and receives
 
 
 class RolloutWorker:
@@ -66,7 +68,7 @@ class RolloutWorker:
 
     @classmethod
     def from_settings(cls, s: RolloutSettings, model=None, key: str = "actor.model.path") -> RolloutWorker:
-        return cls(
+        worker = cls(
             s.model_path,
             s.engine_type,
             s.options,
@@ -76,6 +78,9 @@ class RolloutWorker:
             multi_turn=s.multi_turn,
             prompts=s.prompts,
         )
+        if s.lora is not None and model is None:  # its own copy: the policy's adapters over the same base
+            worker.engine.use_adapters(s.lora)
+        return worker
 
     def pid(self) -> int:
         return os.getpid()

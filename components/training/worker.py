@@ -16,6 +16,15 @@ from safetensors.torch import load_file, save_file
 from components.batch import Batch
 from components.errors import CheckpointError
 from components.models.loading import load_image_encoder, load_model, load_tokenizer, save_pretrained
+from components.models.lora import (
+    ADAPTER_WEIGHTS,
+    AdaptersOff,
+    adapter_state,
+    apply_lora,
+    load_adapter_state,
+    merged_state,
+    save_adapter,
+)
 from components.outputs import MODEL
 from components.plan import PolicySettings, ReferenceSettings
 from components.tracking import sharded as S
@@ -28,6 +37,7 @@ from components.training.optim import freeze_vision, make_optimizer, make_schedu
 from components.training.seeding import seed_everything
 
 MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+ADAPTER_DIR = "adapter"  # a LoRA policy's peft adapter directory, inside its (merged) model directory
 PART_DIRS = {"actor": "model", "critic": "critic"}  # where a sharded checkpoint keeps each part's weights
 COMPRESSION_CODES = {
     "none": 0,
@@ -133,6 +143,8 @@ class PolicyWorker:
         self.images = load_image_encoder(m.path, self.tokenizer)  # None for a text-only policy
         policy = load_model(m.path, m.dtype, m.attention_implementation)
         freeze_vision(policy, m)
+        if s.lora.enabled:  # adapters over the frozen base: only they train (and get optimizer state)
+            policy = apply_lora(policy, s.lora, m.path)
         self.pipeline = None
         if p.pipeline_parallel_size > 1:  # this worker holds one stage of the layers (or its TP share)
             from components.training.pipeline_parallel import Pipeline
@@ -145,7 +157,9 @@ class PolicyWorker:
         else:
             self.model = self._wrap(policy)
         ref = None
-        if s.reference:
+        if s.reference and s.lora.enabled:  # the base itself: the policy with its adapters off, no copy
+            ref = AdaptersOff(policy)
+        elif s.reference:
             ref = load_model(m.path, m.dtype, m.attention_implementation).eval().requires_grad_(False)
         settings = update_for(s, spec.world_size)
         opt, sched = self._optimizer(self.model, s.optimizer, s.model)
@@ -241,29 +255,41 @@ class PolicyWorker:
         return metrics
 
     def get_weights(self) -> tuple[dict[str, torch.Tensor], int]:
-        """The current weights (detached CPU tensors, gathered from the shards on rank 0; {} on other ranks)
-        and their version. Every rank must be called."""
+        """The current weights for the rollout engine (detached CPU tensors, gathered from the shards on rank
+        0; {} on other ranks) and their version: with LoRA, the adapters alone, or the merged weights when the
+        engine takes no adapters (engine.lora_merge_on_sync). Every rank must be called."""
+        if self.s.lora.enabled and not self.s.lora_merge_on_sync:
+            return (adapter_state(D.unwrap(self.model)) if self.rank == 0 else {}), self.version
         return self._full_state(self.model), self.version
 
     def _full_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """`model`'s whole state dict on rank 0, gathered from the stages or shards ({} on other ranks)."""
+        """`model`'s whole state dict on rank 0, gathered from the stages or shards ({} on other ranks); a LoRA
+        policy's merged into the base model's weights (every worker holds all of it: DDP)."""
         if self.pipeline is not None and model is self.model:
             return self.pipeline.full_state()
+        if model is self.model and self.s.lora.enabled:
+            return merged_state(D.unwrap(model)) if self.rank == 0 else {}
         return D.full_model_state(model)
 
     def _hf_model(self) -> torch.nn.Module:
-        """The Hugging Face model object of the policy (its config, for saving)."""
-        return self.pipeline.module.lm if self.pipeline is not None else D.unwrap(self.model)
+        """The Hugging Face model object of the policy (its config, for saving): a LoRA policy's base."""
+        if self.pipeline is not None:
+            return self.pipeline.module.lm
+        model = D.unwrap(self.model)
+        return model.get_base_model() if self.s.lora.enabled else model
 
     def save_model(self, out: str, kind: str = MODEL) -> str:
         """The policy in Hugging Face format (rank 0 writes it; every rank must be called), marked as an output
-        of `kind` (only a directory of that kind is ever replaced)."""
+        of `kind` (only a directory of that kind is ever replaced). A LoRA policy is written merged, with its
+        peft adapter directory inside (`adapter/`, naming the base model directory)."""
         state = self._full_state(self.model)
         if self.rank == 0:
             processor = self.images.processor if self.images is not None else None
             save_pretrained(
                 self._hf_model(), self.tokenizer, out, state_dict=state, kind=kind, processor=processor
             )
+            if self.s.lora.enabled:
+                save_adapter(D.unwrap(self.model), self.tokenizer, Path(out) / ADAPTER_DIR, self.s.model.path)
         return out
 
     def _trained_parts(self) -> list[tuple[str, PolicyTrainer | CriticTrainer, str]]:
@@ -338,6 +364,9 @@ class PolicyWorker:
         sharded = S.is_sharded(ckpt)
         if sharded:
             S.load_model_shards(self.model, ckpt / "model" / S.SHARDS)
+        elif self.s.lora.enabled:  # the base is actor.model.path (in the resume fingerprint): the adapters
+            adapters = load_file(ckpt / "model" / ADAPTER_DIR / ADAPTER_WEIGHTS)
+            load_adapter_state(D.unwrap(self.model), adapters, f"checkpoint {ckpt}")
         else:
             loaded = load_model(
                 ckpt / "model",

@@ -81,18 +81,22 @@ def assert_same(a: dict, b: dict, atol: float) -> None:
 
 # ddp here is the case with mini-batches, epochs and packed micro-batches (plain ddp: the powersgd test below);
 # tensor parallelism over a whole run through the flow: tests/flows/test_multi_worker.py
-@pytest.mark.parametrize("strategy", ["fsdp", "fsdp-hybrid", "ddp-minibatches-tokens"])
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp-hybrid", "ddp-minibatches-tokens", "ddp-lora"])
 def test_two_workers_update_like_one(ray_up, tiny_model_dir, tokenizer, strategy):
     extra = ["trainer.strategy=" + strategy.split("-")[0]]
     if strategy.endswith("minibatches-tokens"):
         extra += PPO_LOOP
+    if strategy.endswith("lora"):  # the weights compared are the adapters, what the engine is sent
+        extra += ["actor.lora.rank=4"]
     n, group = 2, ["trainer.num_workers=2"]
     if strategy == "fsdp-hybrid":  # 2 replicas, each sharded over 2 workers
         n, group = 4, ["trainer.num_workers=4", "trainer.data_parallel_size=2"]
     one, m1 = one_update(config(tiny_model_dir, *extra), tokenizer, 1)
     two, m2 = one_update(config(tiny_model_dir, *extra, *group), tokenizer, n)
     assert_same(one, two, 1e-5)
-    assert max(float((one[k] - INITIAL[k]).abs().max()) for k in one) > 1e-3  # the update moved the weights
+    start = INITIAL if not strategy.endswith("lora") else {k: torch.zeros_like(v) for k, v in one.items()}
+    moved = [float((one[k] - start[k]).abs().max()) for k in one if "lora_A" not in k]
+    assert max(moved) > 1e-3  # the update moved the weights (a LoRA's B from zero)
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
         assert abs(m1[0][key] - m2[0][key]) <= 1e-4 * max(1.0, abs(m1[0][key])), (key, m1[0][key], m2[0][key])
 
@@ -243,6 +247,26 @@ def test_a_pipeline_checkpoint_resumes_in_one_worker_and_back(ray_up, three_laye
     saved = assert_same_checkpoints(tmp_path / "pp2xtp2", tmp_path / "one", tmp_path / "pp2xtp2_again")
     assert max(float((saved[k] - start[k]).abs().max()) for k in saved) > 1e-4  # trained
     assert all(torch.equal(served[k], saved[k]) for k in saved)
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_resumes_in_one_worker(
+    ray_up, tiny_model_dir, tokenizer, tmp_path
+):
+    """Two DDP workers with LoRA adapters (AdamW moments for the adapters alone) write a checkpoint: the
+    merged model beside the peft adapter directory; one worker resumes it and writes it again bit-identical,
+    and what the group served the engine is those adapters."""
+    from safetensors.torch import load_file
+
+    lora = [*ADAM, "actor.lora.rank=4"]
+    two = config(tiny_model_dir, *lora, "trainer.num_workers=2")
+    served, _ = save_and_reload(two, 2, tokenizer, tmp_path / "two")
+    reload_in_one_worker(config(tiny_model_dir, *lora), tmp_path / "two", tmp_path / "one")
+    assert_same_checkpoints(tmp_path / "two", tmp_path / "one", tmp_path / "two_again")
+    a, b = (
+        load_file(tmp_path / d / "model" / "adapter" / "adapter_model.safetensors") for d in ("two", "one")
+    )
+    assert a.keys() == b.keys() == served.keys()
+    assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], served[k]) for k in a)
 
 
 @pytest.mark.parametrize(
