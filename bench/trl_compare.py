@@ -283,13 +283,22 @@ def child_trl(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> d
     }
 
 
-MODES = ("sync", "one_step_off", "bounded_staleness")  # trainer.async_mode, each run as its own "framework"
+# trainer.async_mode -> our overrides for it (each mode's runs are a "framework" of their own in a pair)
+MODES = {
+    "sync": ["trainer.async_mode=sync"],
+    "one_step_off": ["trainer.async_mode=one_step_off", "algorithm.rollout_correction.mode=tis"],
+    "bounded_staleness": [
+        "trainer.async_mode=bounded_staleness",
+        "trainer.max_staleness=2",
+        "algorithm.rollout_correction.mode=tis",
+    ],
+}
 
 
 def framework_of(name: str) -> tuple[str, list[str]]:
     """("trl" | "ours", overrides) of a run name: "trl", "ours" (the config's mode) or "ours:<async_mode>"."""
     if name.startswith("ours:"):
-        return "ours", [f"trainer.async_mode={name.split(':', 1)[1]}"]
+        return "ours", MODES[name.split(":", 1)[1]]
     return name, []
 
 
@@ -405,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--modes",
         nargs="+",
-        choices=MODES,
+        choices=sorted(MODES),
         help="our runs in each of these trainer.async_mode (each beside TRL in every pair); default: the "
         "config's mode only",
     )

@@ -90,9 +90,8 @@ class Run:
         None  # (iteration, batch, reward metrics, sampler state) until the iteration is done
     )
     history: list[dict] = field(default_factory=list)
-    ahead: list[Ahead] = field(
-        default_factory=list
-    )  # async modes: rollouts sampled ahead, in iteration order
+    # asynchronous modes: the rollouts sampled ahead, in iteration order
+    ahead: list[Ahead] = field(default_factory=list)
 
     def stop_workers(self) -> None:
         stop_workers(self.workers)
