@@ -18,6 +18,11 @@ COMMANDS = {
     "nightly": ("flows.nightly", "data, train, evaluate, register if better", []),
     "deploy": ("flows.deploy_cli", "turn pipelines.yaml into Prefect deployments", []),
     "convert": ("flows.convert", "Hugging Face model <-> sharded model or checkpoint (model merger)", []),
+    "config": (
+        "flows.config_cli",
+        "the full reference config (generate), a config as it resolves (show)",
+        [],
+    ),
 }
 
 

@@ -1,0 +1,50 @@
+"""`reinforge config`: `generate` writes the full reference config (every key, its default and its help);
+`show` prints a config as it resolves, each value with its source (default, preset, file or override)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from components.errors import ReinforgeError
+from flows._args import report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="reinforge config", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    gen = sub.add_parser("generate", help="the full reference config, every key with its default and help")
+    gen.add_argument("--out", help="write it here (default: print it)")
+    show = sub.add_parser("show", help="a config as it resolves, each value with its source")
+    show.add_argument("--config", help="the config file (default: none, the defaults alone)")
+    show.add_argument("overrides", nargs="*", help="key=value overrides, as every stage takes them")
+    show.add_argument("--debug", action="store_true", help="a traceback with an error")
+    a = p.parse_args(argv)
+    from components.config.reference import reference_config, resolved_config
+
+    if a.action == "generate":
+        text = reference_config()
+        if a.out:
+            Path(a.out).write_text(text)
+            print(a.out)
+        else:
+            sys.stdout.write(text)
+        return 0
+    try:
+        rows = resolved_config(a.config, a.overrides)
+    except ReinforgeError as exc:
+        return report(exc, a.debug)
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table("key", "value", "source", title=f"{a.config or 'defaults'} {' '.join(a.overrides)}".strip())
+    for key, value, source in rows:
+        table.add_row(escape(key), escape(repr(value) if isinstance(value, str) else str(value)), source)
+    Console(width=160).print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
