@@ -6,8 +6,18 @@ from __future__ import annotations
 import json
 import socket
 
+import pytest
+
 from components.diagnose import fits, run_checks
 from flows.diagnose import main
+
+
+@pytest.fixture
+def no_pip_check(monkeypatch):
+    """The service and config checks alone: `pip check` (a second or two) is the first test's."""
+    import components.diagnose as d
+
+    monkeypatch.setattr(d, "software", lambda: [])
 
 
 def test_this_machine_reports_no_failure_as_json(capsys, monkeypatch):
@@ -28,7 +38,7 @@ def test_this_machine_reports_no_failure_as_json(capsys, monkeypatch):
     assert all(c["status"] in ("ok", "warn") for c in checks.values())
 
 
-def test_an_unreachable_service_fails_naming_its_variable(monkeypatch):
+def test_an_unreachable_service_fails_naming_its_variable(monkeypatch, no_pip_check):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -82,7 +92,7 @@ def test_no_gpu_is_reported_without_failing():
     assert cuda.status == "ok" and "no GPU visible" in cuda.found
 
 
-def test_an_unreachable_ray_address_fails(monkeypatch):
+def test_an_unreachable_ray_address_fails(monkeypatch, no_pip_check):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -68,17 +68,33 @@ def sft_ready(
     root, iterations: int = 4, extra: tuple[str, ...] = (), config: str = "configs/arith_grpo.yaml"
 ):
     """MLflow in `root`, the data prepared and cleaned and the SFT model trained there; yields the overrides."""
+    import shutil
+
     from flows.data import data_flow
     from flows.sft import sft_flow
 
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlruns.db"
     ov = small_overrides(root, iterations) + list(extra)
+    # the data and SFT model depend only on the config and its data./sft. keys: made once per session for
+    # them, then copied into each module's root (its own copy, ~2 MB; ~25 s of CPU saved each time)
+    key = (config, tuple(o for o in extra if o.split("=", 1)[0].startswith(("data.", "sft."))))
     try:
-        data_flow(config, ov)
-        sft_flow(config, ov)
+        made = _PREPARED.get(key)
+        if made is None or not all((made / d).is_dir() for d in _PREPARED_DIRS):
+            data_flow(config, ov)
+            sft_flow(config, ov)
+            _PREPARED[key] = Path(root)
+        elif made != Path(root):
+            for d in _PREPARED_DIRS:
+                shutil.copytree(made / d, Path(root) / d, dirs_exist_ok=True)
         yield ov
     finally:
         os.environ.pop("MLFLOW_TRACKING_URI")
+
+
+# what data_flow and sft_flow write under a root (small_overrides' paths), and the roots that hold them
+_PREPARED_DIRS = ("raw", "clean", "quarantine", "sft")
+_PREPARED: dict[tuple, Path] = {}
 
 
 def run_dir(out) -> Path | None:

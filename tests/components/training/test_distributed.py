@@ -105,7 +105,6 @@ def test_two_workers_update_like_one(ray_up, tiny_model_dir, tokenizer, strategy
     "mesh",
     [
         pytest.param(("2", "1", []), id="tp2"),
-        pytest.param(("2", "1", ["actor.sequence_parallel=true"]), id="tp2-sequence-parallel"),
         pytest.param(
             ("2", "2", ["trainer.strategy=fsdp", "actor.sequence_parallel=true"]),
             id="tp2xdp2-sequence-parallel",
