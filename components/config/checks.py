@@ -206,6 +206,8 @@ def lora_config_problems(cfg: Config) -> list[str]:
         "actor.tensor_model_parallel_size > 1": cfg.actor.tensor_model_parallel_size > 1,
         "actor.pipeline_model_parallel_size > 1": cfg.actor.pipeline_model_parallel_size > 1,
         "trainer.strategy=deepspeed": t.strategy == "deepspeed",
+        # the adapter and merged weights are read off rank 0's whole copy (DDP); FSDP shards it
+        "trainer.strategy=fsdp over several workers": t.strategy == "fsdp" and t.num_workers > 1,
         "trainer.checkpoint_format=sharded": t.checkpoint_format == "sharded",
         "actor.model.type=multimodal": cfg.actor.model.type == "multimodal",
     }
@@ -279,7 +281,7 @@ def pipeline_problems(cfg: Config, needs_critic: bool) -> list[str]:
         return []
     key = f"actor.pipeline_model_parallel_size={pp}"
     problems = []
-    replicas = t.num_workers // (pp * cfg.actor.tensor_model_parallel_size)
+    replicas = data_parallel_replicas(cfg)
     if replicas > 1 and t.strategy != "ddp":
         problems.append(
             f"trainer.strategy={t.strategy} with {key} and {replicas} pipelines: the pipelines are data-parallel "

@@ -99,11 +99,6 @@ def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor], w
         raise ValueError(f"{what}: adapter tensors the model has no place for: {result.unexpected_keys[:3]}")
 
 
-def _base_name(name: str) -> str:
-    """A peft model's parameter name -> the base model's (base_model.model.X.base_layer.weight -> X.weight)."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-
-
 def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The merged weights (base + each adapter's delta) under the base model's names, computed beside the
     module: its own base weights are left untouched. Detached CPU tensors."""

@@ -132,6 +132,10 @@ def test_merging_never_touches_the_base(tiny_model_dir, tokenizer):
             r"actor\.lora\.quantization=4bit: a quantized base \(QLoRA\) needs bitsandbytes on a CUDA GPU",
         ),
         (["actor.lora.quantization=8bit"], r"actor\.lora\.quantization=8bit .* actor\.lora\.rank=0"),
+        (
+            ["actor.lora.rank=4", "trainer.num_workers=2", "trainer.strategy=fsdp"],
+            r"actor\.lora\.rank=4 with trainer\.strategy=fsdp over several workers is not supported",
+        ),
     ],
 )
 def test_what_lora_cannot_take_fails_before_any_work_naming_the_key(tiny_model_dir, overrides, match):
