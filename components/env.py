@@ -15,11 +15,17 @@ DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # no telemetry calls from the ephemeral server
     "PREFECT_LOGGING_SERVER_LEVEL": "CRITICAL",  # the ephemeral server's shutdown chatter
     "PREFECT_LOGGING_LEVEL": "WARNING",
+    # the run loggers at INFO: the per-iteration line and the stages' decisions reach the flow run's Logs tab
+    # in the UI; the terminal shows warnings (and our own progress line)
+    "PREFECT_LOGGING_LOGGERS_PREFECT_FLOW_RUNS_LEVEL": "INFO",
+    "PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL": "INFO",
+    "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",  # a loaded 2-core machine starts it slowly
     "TOKENIZERS_PARALLELISM": "false",
     "RAY_DEDUP_LOGS": "1",
     "HF_HUB_OFFLINE": "1",  # nothing is downloaded: models come from local paths
     "TRANSFORMERS_VERBOSITY": "error",
+    "MLFLOW_LOGGING_LEVEL": "WARNING",  # its "Creating initial MLflow database tables..." on every new store
     "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(RESULTS_DIR),
 }
 

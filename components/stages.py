@@ -104,6 +104,8 @@ STAGES: dict[str, StageKeys] = {
             "trainer.resume_accept_mismatch",
             "trainer.when_finished",
             "trainer.progress",
+            "trainer.log_system_metrics",
+            "trainer.system_metrics_interval_s",
             "trainer.save_interval",
             "trainer.test_interval",
             "trainer.eval_k",

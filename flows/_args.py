@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -13,7 +12,6 @@ import traceback
 from components.errors import ReinforgeError
 from components.services import check_services
 
-DEFAULT_CONFIG = "configs/arith_grpo.yaml"
 SERVER_NICE_ENV = "REINFORGE_PREFECT_SERVER_NICE"  # niceness of Prefect's in-process server; 0 = leave it
 
 
@@ -39,16 +37,6 @@ def yield_prefect_server(niceness: int | None = None) -> int | None:
         except psutil.Error:  # gone, or not ours to change
             continue
     return None
-
-
-def config_parser(description: str, prog: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config file (default: %(default)s)")
-    p.add_argument(
-        "--debug", action="store_true", help="show the traceback of an error, not only its message"
-    )
-    p.add_argument("overrides", nargs="*", help="config overrides as key=value, e.g. algorithm.beta=0.1")
-    return p
 
 
 def report(exc: ReinforgeError, debug: bool = False) -> int:
@@ -98,9 +86,23 @@ def quiet_user_errors() -> None:
             handler.addFilter(_UserErrorFilter())
 
 
-def run_cli(fn, *args, debug: bool = False, **kwargs) -> int:
+def summary(result: object) -> str:
+    """A stage's result for a person: its top-level scalars, a line each (nested parts are behind --json)."""
+    if not isinstance(result, dict):
+        return str(result)
+    lines = []
+    for key, value in result.items():
+        if isinstance(value, dict | list | tuple):
+            continue
+        shown = str(round(value, 4)) if isinstance(value, float) else str(value)
+        lines.append(f"  {key:<16} {shown}")
+    return "\n".join(lines)
+
+
+def run_cli(fn, *args, debug: bool = False, as_json: bool = False, **kwargs) -> int:
     """Run a flow; a ReinforgeError prints its message once (no traceback unless `debug`) and exits 2. Ctrl-C
-    or SIGTERM stops it at once (components/shutdown.py): nothing it started is left running."""
+    or SIGTERM stops it at once (components/shutdown.py): nothing it started is left running. The result
+    is printed as a short summary, or whole as JSON with `as_json` (--json)."""
     from components.shutdown import install_signal_handlers, wait_if_stopping
 
     install_signal_handlers()
@@ -115,5 +117,5 @@ def run_cli(fn, *args, debug: bool = False, **kwargs) -> int:
         wait_if_stopping()  # a run being stopped fails on its way: the stop owns the exit and its message
         raise
     if result is not None:
-        print(json.dumps(result, indent=2, default=str))
+        print(json.dumps(result, indent=2, default=str) if as_json else summary(result))
     return 0

@@ -3,24 +3,16 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from components.errors import ReinforgeError
+from flows import parsers
 from flows._args import report
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="reinforge config", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    gen = sub.add_parser("generate", help="the full reference config, every key with its default and help")
-    gen.add_argument("--out", help="write it here (default: print it)")
-    show = sub.add_parser("show", help="a config as it resolves, each value with its source")
-    show.add_argument("--config", help="the config file (default: none, the defaults alone)")
-    show.add_argument("overrides", nargs="*", help="key=value overrides, as every stage takes them")
-    show.add_argument("--debug", action="store_true", help="a traceback with an error")
-    a = p.parse_args(argv)
+    a = parsers.config().parse_args(argv)
     from components.config.reference import reference_config, resolved_config
 
     if a.action == "generate":

@@ -7,7 +7,8 @@ import sys
 from prefect import flow
 
 from components.config import load_config
-from flows._args import check_config, config_parser, run_cli
+from flows import parsers
+from flows._args import check_config, run_cli
 from tasks.caching import run_stage
 from tasks.data import clean_data, prepare_data
 
@@ -18,6 +19,13 @@ def data_flow(
     overrides: list[str] | None = None,
     steps: tuple[str, ...] = ("prepare", "clean"),
 ) -> dict:
+    """Prepare (generate, or import GSM8K / LLaVA files) then clean the datasets; bad rows are quarantined.
+
+    Args:
+        config: the YAML config file (configs/*.yaml), relative to the project.
+        overrides: config overrides as key=value, e.g. ["algorithm.kl_loss_coef=0.04"].
+        steps: which steps run, in order: "prepare", "clean".
+    """
     cfg = load_config(config, overrides or [])
     out: dict = {}
     if "prepare" in steps:
@@ -28,12 +36,10 @@ def data_flow(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = config_parser("Prepare and clean the datasets.", "reinforge data")
-    p.add_argument("--step", choices=["prepare", "clean", "all"], default="all")
-    a = p.parse_args(argv)
+    a = parsers.data().parse_args(argv)
     steps = ("prepare", "clean") if a.step == "all" else (a.step,)
     return check_config(a.config, a.overrides, a.debug) or run_cli(
-        data_flow, a.config, a.overrides, steps, debug=a.debug
+        data_flow, a.config, a.overrides, steps, debug=a.debug, as_json=a.json
     )
 
 

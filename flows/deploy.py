@@ -73,13 +73,18 @@ def parameters_of(p: Pipeline) -> dict[str, Any]:
     return params
 
 
+def schedule_of(p: Pipeline):
+    """The pipeline's cron in its own timezone (Prefect's `cron=` shorthand would leave the timezone unset)."""
+    from prefect.schedules import Cron
+
+    return Cron(p.schedule.cron, timezone=p.schedule.timezone)
+
+
 def to_deployments(pipelines: list[Pipeline]) -> list:
     """RunnerDeployments for `prefect.serve` (in-process, no work pool needed)."""
     out = []
     for p in pipelines:
-        kwargs = {}
-        if p.schedule:
-            kwargs["cron"] = p.schedule.cron
+        kwargs = {"schedule": schedule_of(p)} if p.schedule else {}
         out.append(
             flow_of(p).to_deployment(
                 name=p.name,
@@ -105,7 +110,7 @@ def deploy(pipelines: list[Pipeline], mode: str = "serve", work_pool: str | None
                 work_pool_name=work_pool,
                 version=p.version,
                 parameters=parameters_of(p),
-                cron=p.schedule.cron if p.schedule else None,
+                schedule=schedule_of(p) if p.schedule else None,
                 build=False,
                 push=False,
             )

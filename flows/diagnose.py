@@ -4,20 +4,14 @@ fails, 1 otherwise. The checks themselves are in components/diagnose.py."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from flows import parsers
+
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="reinforge diagnose", description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--device", action="store_true", help="also the accelerators: GPUs, NCCL, bf16, NPUs, TPUs"
-    )
-    p.add_argument("--config", help="also whether this config fits this machine (mesh, engine, memory)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides of --config")
-    p.add_argument("--json", action="store_true", help="the checks as JSON (for CI)")
-    a = p.parse_args(argv)
+    a = parsers.diagnose().parse_args(argv)
     from components.diagnose import run_checks
 
     checks = run_checks(device=a.device, config=a.config, overrides=a.overrides)

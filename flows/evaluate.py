@@ -14,7 +14,8 @@ from components.config import load_config
 from components.errors import ConfigError
 from components.progress import progress_bar
 from components.tracking import runs
-from flows._args import check_config, config_parser, report, run_cli
+from flows import parsers
+from flows._args import check_config, report, run_cli
 from tasks.caching import run_stage
 from tasks.evaluate import evaluate_model, write_eval
 from tasks.tracking import finished_run_info
@@ -26,6 +27,13 @@ def evaluate_flow(
     overrides: list[str] | None = None,
     output: str = "metrics/eval.json",
 ) -> dict:
+    """Held-out accuracy (greedy acc, mean@k, pass@k) of the SFT model and of the final trained model.
+
+    Args:
+        config: the YAML config file (configs/*.yaml), relative to the project.
+        overrides: config overrides as key=value, e.g. ["algorithm.kl_loss_coef=0.04"].
+        output: the JSON file the metrics go to (DVC's metrics file).
+    """
     cfg = load_config(config, overrides or [])
     run = finished_run_info(cfg)  # this configuration's newest finished run in trainer.output_dir
     results: dict = {}
@@ -55,18 +63,16 @@ def evaluate_one_flow(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = config_parser("Evaluate held-out accuracy (greedy acc, mean@k, pass@k).", "reinforge evaluate")
-    p.add_argument("--model_path", help="evaluate this model directory alone")
-    p.add_argument("--eval_data", help="held-out parquet/jsonl (with --model_path)")
-    p.add_argument("--output", default="metrics/eval.json", help="where the SFT-vs-final metrics go")
-    a = p.parse_args(argv)
+    a = parsers.evaluate().parse_args(argv)
     if check_config(a.config, a.overrides, a.debug):
         return 2
     if a.model_path:
         if not a.eval_data:
             return report(ConfigError("--model_path needs --eval_data FILE (a held-out parquet)"))
-        return run_cli(evaluate_one_flow, a.model_path, a.eval_data, a.config, a.overrides, debug=a.debug)
-    return run_cli(evaluate_flow, a.config, a.overrides, a.output, debug=a.debug)
+        return run_cli(
+            evaluate_one_flow, a.model_path, a.eval_data, a.config, a.overrides, debug=a.debug, as_json=a.json
+        )
+    return run_cli(evaluate_flow, a.config, a.overrides, a.output, debug=a.debug, as_json=a.json)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -11,6 +10,8 @@ from components.errors import ConfigError, ReinforgeError
 from components.rollout.base import SamplingParams
 from components.rollout.worker import RolloutWorker
 from components.tracking import runs
+from flows import parsers
+from flows._args import report
 
 
 def generate(
@@ -38,41 +39,13 @@ def generate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="reinforge generate", description="Sample completions from a local model."
-    )
-    p.add_argument(
-        "prompts",
-        nargs="+",
-        help="prompt texts, e.g. '12+34=' (with --messages: JSON lists of chat messages)",
-    )
-    p.add_argument(
-        "--messages", action="store_true", help="each prompt is a JSON list of {role, content} messages"
-    )
-    p.add_argument(
-        "--apply-chat-template",
-        choices=["true", "false"],
-        default=None,
-        help="render prompts through the chat template (default: messages yes, plain strings no, as "
-        "data.apply_chat_template)",
-    )
-    p.add_argument(
-        "--model_path",
-        default="checkpoints/grpo",
-        help="HF model directory, or a training output directory (its last finished run's final model)",
-    )
-    p.add_argument("-n", type=int, default=1, help="completions per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--max_new_tokens", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
+    a = parsers.generate().parse_args(argv)
     settings = PromptSettings(None if a.apply_chat_template is None else a.apply_chat_template == "true")
     try:
         prompts = [_messages(p) for p in a.prompts] if a.messages else a.prompts
         out = generate(a.model_path, prompts, a.n, a.temperature, a.max_new_tokens, a.seed, settings)
     except ReinforgeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report(exc, a.debug)
     print(json.dumps(out, indent=2))
     return 0
 

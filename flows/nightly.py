@@ -14,18 +14,21 @@ import tempfile
 from pathlib import Path
 
 from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
 
 from components.config import Config, load_config
 from components.lineage import file_md5
 from components.locking import exclusive
 from components.tracking.registry import download_version, register_candidate
-from flows._args import check_config, config_parser, run_cli
+from flows import parsers
+from flows._args import check_config, run_cli
 from flows.data import data_flow
 from flows.evaluate import evaluate_flow
 from flows.sft import sft_flow
 from flows.train import train_flow
 from tasks.common import STAGE, logger
 from tasks.evaluate import evaluate_model
+from tasks.tracking import markdown_table
 
 
 @task(name="register-model", **STAGE)
@@ -45,6 +48,12 @@ def register(cfg: Config, name: str, info: dict, acc: float) -> dict:
     logger().info(
         "registry: %s v%s -> %s (%s)", name, decision["version"], decision["alias"], decision["reason"]
     )
+    create_markdown_artifact(  # the flow run's Artifacts tab: what was decided, and why
+        f"## {name} v{decision['version']}: {decision['alias']}\n\n"
+        + markdown_table(["", ""], [[k, v] for k, v in decision.items()] + [["held-out acc", acc]]),
+        key="promotion",
+        description=f"registry decision for {name}",
+    )
     return decision
 
 
@@ -56,6 +65,15 @@ def nightly_flow(
     pipeline: str = "nightly",
     pipeline_version: str = "",
 ) -> dict:
+    """Nightly retraining: data, train, evaluate, then register the model: alias `champion` if it is better.
+
+    Args:
+        config: the YAML config file (configs/*.yaml), relative to the project.
+        overrides: config overrides as key=value, e.g. ["algorithm.kl_loss_coef=0.04"].
+        model_name: the MLflow registered model the better model becomes a version of.
+        pipeline: the pipeline's name (pipelines.yaml), recorded on the MLflow run.
+        pipeline_version: the pipeline's version, recorded on the MLflow run.
+    """
     overrides = [*(overrides or []), "trainer.when_finished=retrain"]
     cfg = load_config(config, overrides)
     with exclusive(Path(cfg.trainer.output_dir).parent / ".nightly.lock", f"pipeline {pipeline}"):
@@ -69,13 +87,9 @@ def nightly_flow(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = config_parser(
-        "Nightly retraining: data, train, evaluate, register the model if it is better.", "reinforge nightly"
-    )
-    p.add_argument("--model-name", default="reinforge-arith", help="MLflow registered model name")
-    a = p.parse_args(argv)
+    a = parsers.nightly().parse_args(argv)
     return check_config(a.config, a.overrides, a.debug) or run_cli(
-        nightly_flow, a.config, a.overrides, a.model_name, debug=a.debug
+        nightly_flow, a.config, a.overrides, a.model_name, debug=a.debug, as_json=a.json
     )
 
 

@@ -37,8 +37,9 @@ from components.shutdown import note, on_stop, stop, stopping
 from components.tracking import checkpoints, runs
 from components.tracking.mlflow_tracker import Tracker
 from components.training.ray_workers import Workers, rebuild_workers, stop_workers
-from flows._args import check_config, config_parser, run_cli, yield_prefect_server
-from tasks.common import is_transient, logger
+from flows import parsers
+from flows._args import check_config, run_cli, yield_prefect_server
+from tasks.common import for_iteration, is_transient, logger
 from tasks.data import load_datasets
 from tasks.rl import (
     check_inputs,
@@ -142,12 +143,13 @@ def sample_ahead(run: Run) -> None:
             continue
         rows = [run.train_rows[i] for i in run.sampler.next_indices()]
         # (no Prefect timeout: it cannot interrupt a worker thread; the Ray calls inside have theirs)
-        gen = generate_rollouts.with_options(task_run_name=f"gen[it={it}]", timeout_seconds=None).submit(
-            run.workers, rows, plan, it, run.version
-        )
-        reward = score_rewards.with_options(task_run_name=f"reward[it={it}]", timeout_seconds=None).submit(
-            gen, run.tokenizer, plan, run.workers, run.scorers
-        )
+        with for_iteration(it):  # their runs are named after the iteration they sample for
+            gen = generate_rollouts.with_options(timeout_seconds=None).submit(
+                run.workers, rows, plan, it, run.version
+            )
+            reward = score_rewards.with_options(timeout_seconds=None).submit(
+                gen, run.tokenizer, plan, run.workers, run.scorers
+            )
         run.ahead.append(Ahead(it, gen, reward))
 
 
@@ -258,11 +260,10 @@ def iteration(run: Run) -> dict[str, float]:
     if run.kl_ctrl is not None:
         run.kl_ctrl.update(m_adv["actor/reward_kl_penalty"], len(batch))
     m_critic = timer("update_critic", update_critic, workers, batch) if plan.algorithm.needs_critic else {}
-    update = update_policy.with_options(task_run_name=f"update-actor[it={it}]")
     if plan.async_mode == "sync":
-        m_actor, run.version = update(workers, batch)  # its own timing_s/update_actor, _weights
+        m_actor, run.version = update_policy(workers, batch)  # its own timing_s/update_actor, _weights
     else:
-        m_actor, _ = update(workers, batch, push=False)
+        m_actor, _ = update_policy(workers, batch, push=False)
         m_actor.update(push_after_ahead(run, train_start))
     metrics = {**m_reward, **m_adv, **m_critic, **m_actor}
     if it % plan.test_interval == 0 or it == plan.iterations:
@@ -272,8 +273,7 @@ def iteration(run: Run) -> dict[str, float]:
                 "testing", evaluate_policy, workers, run.eval_rows, plan, run.tokenizer, run.scorers, samples
             )
         )
-        if samples:  # a VLM's: a few held-out images with its answers
-            log_samples(run.tracker, samples, it)
+        log_samples(run.tracker, samples, it, metrics)  # a few held-out prompts, the model's answers
     metrics["timing_s/step"] = time.perf_counter() - timer.start
     metrics.update(timer.seconds)
     # queued (MLflow stores them in the background; the checkpoint waits for them), before the checkpoint: a
@@ -361,15 +361,18 @@ def train(run: Run, started: float) -> dict:
             if problem:
                 stop(problem, 2)
             try:
-                metrics = iteration(run)
+                with for_iteration(run.iteration):  # the task runs' names: gen[it=12], ...
+                    metrics = iteration(run)
             except Exception as exc:
                 rebuilds += 1
                 recover(run, exc, rebuilds)
                 continue
             run.history.append({"step": run.iteration, **metrics})
             advance(info=f"reward {metrics['critic/score/mean']:.3f}")
+            line = iteration_line(run.iteration, t.iterations, metrics)
+            logger().info(line)  # the flow run's Logs tab in the Prefect UI
             if run.cfg.trainer.progress:
-                console.print(iteration_line(run.iteration, t.iterations, metrics))
+                console.print(line)
             run.iteration += 1
     return finalize(run.workers, run.tracker, run.cfg, run.resume, run.history, time.perf_counter() - started)
 
@@ -383,7 +386,10 @@ def open_run(
     fingerprint = run_fingerprint(cfg)  # config, data, models, reward: what a checkpoint must match to resume
     resume = plan_resume(cfg, fingerprint)
     claim_output(t.output_dir, "trainer.output_dir", TRAIN_OUTPUT, t.run_dir)
-    run_name = f"{pipeline or 'train'}-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+    # what ran: the pipeline, the preset and the run's fingerprint (its run directory's name), then when
+    run_name = (
+        f"{pipeline or 'train'}-{cfg.algorithm.name}-{fingerprint.digest[:10]}-{datetime.now(UTC):%m%d-%H%M}"
+    )
     tracker = start_run(cfg, pipeline, version, run_name, resume, fingerprint, plan.params)
     scorers = scorers_for([r["data_source"] for r in train_rows + eval_rows], cfg)
     kl_ctrl = KLController(*plan.kl_in_reward) if plan.kl_in_reward else None
@@ -411,6 +417,14 @@ def train_flow(
     pipeline: str = "",
     pipeline_version: str = "",
 ) -> dict:
+    """RL training (GRPO by default, or another preset) on Ray workers, tracked in MLflow.
+
+    Args:
+        config: the YAML config file (configs/*.yaml), relative to the project.
+        overrides: config overrides as key=value, e.g. ["algorithm.kl_loss_coef=0.04"].
+        pipeline: the pipeline's name (pipelines.yaml), recorded on the MLflow run.
+        pipeline_version: the pipeline's version, recorded on the MLflow run.
+    """
     started = time.perf_counter()
     yield_prefect_server()
     cfg = load_config(config, overrides or [])
@@ -431,12 +445,9 @@ def train_flow(
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = config_parser(
-        "Run GRPO (or another preset) on the SFT model; metrics and checkpoints go to MLflow.",
-        "reinforge train",
-    ).parse_args(argv)
+    a = parsers.train().parse_args(argv)
     return check_config(a.config, a.overrides, a.debug) or run_cli(
-        train_flow, a.config, a.overrides, debug=a.debug
+        train_flow, a.config, a.overrides, debug=a.debug, as_json=a.json
     )
 
 

@@ -3,6 +3,9 @@ stage timeout, and `stage`, the decorator of the RL loop's tasks."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from prefect import Task
@@ -41,8 +44,34 @@ class Stage(Task):
         )
 
 
+# The RL iteration a stage's run belongs to, set by the flow around each iteration's tasks (and around the
+# rollouts it samples ahead for a later one): the UI names the task runs `gen[it=12]`, `update-actor[it=12]`
+ITERATION: ContextVar[int | None] = ContextVar("reinforge_iteration", default=None)
+
+
+@contextmanager
+def for_iteration(it: int) -> Iterator[None]:
+    """The stages run (or submitted) inside this block belong to iteration `it`: their run names say so."""
+    token = ITERATION.set(it)
+    try:
+        yield
+    finally:
+        ITERATION.reset(token)
+
+
+def _run_name(name: str):
+    def run_name() -> str:
+        it = ITERATION.get()
+        return name if it is None else f"{name}[it={it}]"
+
+    return run_name
+
+
 def stage(**options: Any):
-    """@stage(name=..., retries=...): a Stage task with STAGE's defaults (no cache, a timeout) under options."""
+    """@stage(name=..., retries=...): a Stage task with STAGE's defaults (no cache, a timeout) under options;
+    its runs are named after the iteration they belong to (for_iteration)."""
+    if "name" in options and "task_run_name" not in options:
+        options["task_run_name"] = _run_name(options["name"])
     return lambda fn: Stage(fn=fn, **{**STAGE, **options})
 
 

@@ -245,10 +245,10 @@ def evaluate_policy(
     )
 
 
-SAMPLES = 4  # held-out images logged with the model's answers at each evaluation
+SAMPLES = 8  # held-out prompts logged with the model's greedy answers at each evaluation
 
 
 def keep_samples(samples: list[dict], rows: list[dict], texts: list[str], scores: list[float]) -> None:
     for row, text, score in zip(rows, texts, scores):
-        if len(samples) < SAMPLES and row.get("images"):
+        if len(samples) < SAMPLES:
             samples.append({"row": row, "answer": text, "score": score})

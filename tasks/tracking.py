@@ -12,8 +12,8 @@ from components.data.io import write_atomic
 from components.lineage import file_md5, model_digest, verify_tracked
 from components.outputs import MODEL
 from components.tracking import checkpoints, runs
-from components.tracking.mlflow_tracker import Tracker, git_commit
-from components.tracking.plots import reward_curve
+from components.tracking.mlflow_tracker import Tracker, dataset_input, git_commit
+from components.tracking.plots import plot_metrics, reward_curve, write_dvc_plots
 from components.training.ray_workers import Workers
 from tasks.common import logger, stage
 
@@ -58,6 +58,13 @@ def plan_resume(cfg: Config, fp: runs.Fingerprint) -> runs.ResumePlan:
     return resume
 
 
+def prefect_run_tags() -> dict[str, str]:
+    """The Prefect flow run this MLflow run belongs to (none outside one)."""
+    from prefect.runtime import flow_run
+
+    return {"prefect.flow_run_id": flow_run.id, "prefect.flow_run_name": flow_run.name} if flow_run.id else {}
+
+
 @stage(name="start-run")
 def start_run(
     cfg: Config,
@@ -75,7 +82,12 @@ def start_run(
     hashes = verify_tracked([cfg.data.train_path, cfg.data.eval_path])
     parent = resume.parent_run_id
     tags = {
-        "git_commit": git_commit(),
+        # MLflow's own source tags: the run page links the commit and names the entry point
+        "mlflow.source.git.commit": git_commit(),
+        "mlflow.source.name": "reinforge train",
+        "mlflow.source.type": "LOCAL",
+        "reinforge.preset": cfg.algorithm.name,
+        **prefect_run_tags(),
         "pipeline": pipeline or "adhoc",
         "pipeline_version": version or "",
         "dvc.train_md5": hashes[cfg.data.train_path],
@@ -96,6 +108,14 @@ def start_run(
         )
     tracker.log_params(params)
     tracker.set_tags(tags if tracker.resumed else {**tags, "mlflow.runName": run_name})
+    tracker.log_inputs(
+        [
+            dataset_input(cfg.data.train_path, "train", hashes[cfg.data.train_path]),
+            dataset_input(cfg.data.eval_path, "eval", hashes[cfg.data.eval_path]),
+        ]
+    )
+    if cfg.trainer.log_system_metrics:
+        tracker.log_system_metrics(cfg.trainer.system_metrics_interval_s)
     runs.start_info(resume, fp, cfg.trainer.iterations, tracker.run_id)
     return tracker
 
@@ -145,10 +165,46 @@ def checkpoint_metrics(state: dict) -> dict[str, float]:
 
 
 @stage(name="log-samples")
-def log_samples(tracker: Tracker, samples: list[dict], iteration: int) -> str:
-    """A few held-out images with the model's greedy answers, as MLflow artifacts of the run:
-    samples/iter_NNNNNN/<k>.png and answers.json (a table the MLflow UI shows beside the images)."""
-    return tracker.log_samples(samples, iteration)
+def log_samples(tracker: Tracker, samples: list[dict], iteration: int, metrics: dict[str, float]) -> str:
+    """A few held-out prompts with the model's greedy answers, rewards and ground truths, as a table of the
+    MLflow run (samples/iter_NNNNNN/answers.json, with each image beside it for a VLM), and the evaluation
+    as a Prefect table artifact of the flow run (its Artifacts tab). Returns the MLflow artifact folder."""
+    folder = tracker.log_samples(samples, iteration)
+    evaluation_artifact(iteration, metrics, samples)
+    return folder
+
+
+def _cell(value: object) -> str:
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows])
+
+
+def evaluation_artifact(iteration: int, metrics: dict[str, float], samples: list[dict]) -> None:
+    """The evaluation at `iteration` as a markdown artifact of the flow run: its val/ metrics, then the
+    sampled answers. Outside a flow run (a task's .fn() called directly) there is nothing to attach it to."""
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.context import FlowRunContext
+
+    if FlowRunContext.get() is None:
+        return
+    from components.data.prompts import prompt_text
+
+    vals = [[k, v] for k, v in sorted(metrics.items()) if k.startswith("val/")]
+    answers = [
+        [prompt_text(s["row"]["prompt"]), s["answer"], s["row"]["reward_model"]["ground_truth"], s["score"]]
+        for s in samples
+    ]
+    create_markdown_artifact(
+        f"## Evaluation at iteration {iteration}\n\n{markdown_table(['metric', 'value'], vals)}\n\n"
+        f"### Greedy answers\n\n{markdown_table(['prompt', 'response', 'ground truth', 'reward'], answers)}\n",
+        key="evaluation",
+        description=f"held-out evaluation at iteration {iteration}",
+    )
 
 
 @stage(name="restore-checkpoint")
@@ -173,6 +229,8 @@ def finalize(
     model_id = tracker.log_model(final, "final_model")
     plot = reward_curve(history, resume.run_dir / "reward_curve.png")
     tracker.log_artifact(plot)
+    # the run's whole series (a resumed run's earlier steps too) for dvc.yaml's plots
+    write_dvc_plots(tracker.metric_series(plot_metrics()), Path(cfg.trainer.output_dir) / "plots")
     last_eval = next((h for h in reversed(history) if "val/acc" in h), {})
     info = runs.write_info(
         resume.run_dir,

@@ -584,6 +584,12 @@ class TrainerConfig(Section):
     eval_k: int = Field(4, ge=1, description="samples per prompt for mean@k / pass@k")
     eval_size: int | None = Field(None, ge=1, description="held-out prompts evaluated (None = all)")
     progress: bool = Field(True, description="show a progress display")
+    log_system_metrics: bool = Field(
+        False, description="log CPU, memory, disk, network (and GPU) use to the MLflow run's system metrics"
+    )
+    system_metrics_interval_s: float = Field(
+        10.0, gt=0, description="seconds between two samples of the system metrics"
+    )
 
 
 class MemoryOptimConfig(Section):

@@ -12,14 +12,18 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import mlflow
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 _BAD = re.compile(r"[^A-Za-z0-9_\-./ ]")
+# the experiment's kind: the UI opens a model-training experiment on its runs, not on the GenAI traces page
+EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 
 
 def default_tracking_uri(root: Path = PROJECT_ROOT) -> str:
@@ -51,11 +55,44 @@ def setup(experiment: str, root: Path = PROJECT_ROOT) -> str:
     client = MlflowClient(uri, registry_uri=uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is not None:
+        if EXPERIMENT_KIND not in exp.tags:  # made by an older version, or by hand
+            client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
         return exp.experiment_id
     location = None
     if uri.startswith("sqlite:///"):  # artifacts beside the database file
         location = (Path(uri[len("sqlite:///") :]).parent / "mlartifacts" / experiment).resolve().as_uri()
-    return client.create_experiment(experiment, artifact_location=location)
+    return client.create_experiment(
+        experiment, artifact_location=location, tags={EXPERIMENT_KIND: MODEL_TRAINING}
+    )
+
+
+def dataset_input(path: str, role: str, digest: str):
+    """A data file as an MLflow dataset input: its schema and row count, its DVC md5 as the digest, `role`
+    (train, eval) as the input's context, which the run page shows beside it."""
+    import mlflow.data
+    import pandas as pd
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.data.sources import LocalArtifactDatasetSource
+    from mlflow.entities import DatasetInput, InputTag
+
+    source = LocalArtifactDatasetSource(str(Path(path).resolve()))
+    name = Path(path).stem
+    try:
+        df = pd.read_parquet(path) if path.endswith(".parquet") else pd.read_json(path, lines=True)
+        dataset = mlflow.data.from_pandas(df, source=source, name=name, digest=digest[:36])
+    except (ValueError, TypeError, OSError, MlflowException):  # a schema MLflow cannot infer: source alone
+        dataset = MetaDataset(source, name=name, digest=digest[:36])
+    return DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", role)])
+
+
+def model_signature():
+    """What the logged policy takes and returns, for the UI and for serving: prompt text in, completion out."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, Schema
+
+    return ModelSignature(
+        inputs=Schema([ColSpec("string", "prompt")]), outputs=Schema([ColSpec("string", "completion")])
+    )
 
 
 class Tracker:
@@ -75,6 +112,25 @@ class Tracker:
         self.run_id = run_id
         self._logged = self._already_logged()
         self._pending: list = []  # MLflow RunOperations of metrics not yet known to be stored
+        self._system_metrics = None
+
+    def log_system_metrics(self, interval_s: float) -> None:
+        """Sample CPU, memory, disk, network (and GPU, with pynvml) use into the run's system/* metrics every
+        `interval_s`, in a thread of this process, until end()."""
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self._system_metrics = SystemMetricsMonitor(
+            self.run_id,
+            sampling_interval=interval_s,
+            resume_logging=self.resumed,
+            tracking_uri=default_tracking_uri(),
+        )
+        self._system_metrics.start()
+
+    def log_inputs(self, datasets: list) -> None:
+        """The run's dataset inputs (dataset_input), once: a resumed run has them already."""
+        if not self.resumed:
+            self.client.log_inputs(self.run_id, datasets=datasets)
 
     def _exists(self, run_id: str) -> bool:
         from mlflow.exceptions import MlflowException
@@ -89,11 +145,17 @@ class Tracker:
         """A model directory as an MLflow logged model of this run: its files are copied to the model's own
         artifact location (models/<id>/artifacts), which no later run writes, so a registered version that
         points at it never changes. Returns the model id."""
+        from mlflow.models import Model
+
         model = self.client.create_logged_model(
             self.experiment_id, name=name, source_run_id=self.run_id, model_type="transformers"
         )
         try:
             self.client.log_model_artifacts(model.model_id, str(local_dir))
+            with tempfile.TemporaryDirectory() as tmp:  # the MLmodel file: the UI shows its signature
+                mlmodel = Model(run_id=self.run_id, model_id=model.model_id, signature=model_signature())
+                mlmodel.save(Path(tmp) / "MLmodel")
+                self.client.log_model_artifact(model.model_id, str(Path(tmp) / "MLmodel"))
         except BaseException:
             self.client.finalize_logged_model(model.model_id, "FAILED")
             raise
@@ -160,25 +222,42 @@ class Tracker:
         )
 
     def log_samples(self, samples: list[dict], iteration: int) -> str:
-        """Each sample's image (samples/iter_NNNNNN/<k>.png) and one table of prompts, answers, ground truths
-        and scores (answers.json); returns the artifact folder. `samples`: {row, answer, score}."""
+        """One table of held-out prompts with the model's answers, their ground truths and rewards
+        (samples/iter_NNNNNN/answers.json, which the run's Evaluation/Artifacts pages show as a table), and
+        each sample's image beside it when it has one (<k>.png); returns the artifact folder.
+        `samples`: {row, answer, score}."""
         from components.data.images import open_image
         from components.data.prompts import prompt_text
 
         folder = f"samples/iter_{iteration:06d}"
-        table: dict[str, list] = {"image": [], "prompt": [], "answer": [], "ground_truth": [], "score": []}
+        table: dict[str, list] = {"step": [], "prompt": [], "response": [], "ground_truth": [], "reward": []}
+        images = []
         for k, s in enumerate(samples):
             row = s["row"]
-            self.client.log_image(
-                self.run_id, open_image(row["images"][0]), artifact_file=f"{folder}/{k}.png"
-            )
-            table["image"].append(f"{k}.png")
+            if row.get("images"):
+                self.client.log_image(
+                    self.run_id, open_image(row["images"][0]), artifact_file=f"{folder}/{k}.png"
+                )
+                images.append(f"{k}.png")
+            table["step"].append(iteration)
             table["prompt"].append(prompt_text(row["prompt"]))
-            table["answer"].append(s["answer"])
-            table["ground_truth"].append(row["reward_model"]["ground_truth"])
-            table["score"].append(float(s["score"]))
+            table["response"].append(s["answer"])
+            table["ground_truth"].append(str(row["reward_model"]["ground_truth"]))
+            table["reward"].append(float(s["score"]))
+        if images:  # first: the UI shows each image beside its row
+            table = {"image": images, **table}
         self.client.log_table(self.run_id, data=table, artifact_file=f"{folder}/answers.json")
         return folder
+
+    def metric_series(self, names: list[str]) -> dict[str, dict[int, float]]:
+        """Each named metric's stored values by step (queued ones first stored); a metric never logged is absent."""
+        self.flush()
+        series = {}
+        for name in names:
+            history = self.client.get_metric_history(self.run_id, metric_name(name))
+            if history:
+                series[name] = {m.step: m.value for m in history}
+        return series
 
     def log_artifacts(self, local_dir: str | Path, artifact_path: str) -> None:
         self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)
@@ -189,6 +268,9 @@ class Tracker:
     def end(self, status: str = "FINISHED") -> None:
         """Store the queued metrics and close the run. A failing run closes even if they cannot be stored
         (the error that failed it is the one to report)."""
+        if self._system_metrics is not None:
+            self._system_metrics.finish()
+            self._system_metrics = None
         try:
             self.flush()
         except Exception:

@@ -1,7 +1,9 @@
-"""The reward-curve image logged with every training run."""
+"""The reward-curve image logged with every training run, and the per-iteration series DVC plots (dvc.yaml's
+`plots:`; `dvc plots show`, `dvc plots diff` between experiments)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import matplotlib
@@ -28,3 +30,40 @@ def reward_curve(history: list[dict], out: str | Path) -> Path:
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+# file under <trainer.output_dir>/plots -> {column: metric}; each file's rows are {step, column: value}, a row
+# for each iteration that logged any of its metrics (val.json: the evaluated iterations)
+DVC_PLOTS = {
+    "train.json": {
+        "reward": "critic/score/mean",
+        "response_length": "response_length/mean",
+        "ppo_kl": "actor/ppo_kl",
+        "kl_loss": "actor/kl_loss",
+        "entropy": "actor/entropy",
+    },
+    "val.json": {"acc": "val/acc"},
+}
+
+
+def plot_metrics() -> list[str]:
+    return sorted({m for columns in DVC_PLOTS.values() for m in columns.values()})
+
+
+def write_dvc_plots(series: dict[str, dict[int, float]], out_dir: str | Path) -> list[Path]:
+    """The metrics' whole series (metric -> {step: value}, as MLflow holds them: a resumed run's too) as
+    DVC_PLOTS' files in `out_dir`. Returns the files written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, columns in DVC_PLOTS.items():
+        steps = sorted({s for metric in columns.values() for s in series.get(metric, {})})
+        rows = [
+            {"step": s} | {col: series[m][s] for col, m in columns.items() if s in series.get(m, {})}
+            for s in steps
+        ]
+        tmp = out_dir / f".{name}.tmp"
+        tmp.write_text(json.dumps(rows, indent=1) + "\n")
+        tmp.replace(out_dir / name)
+        written.append(out_dir / name)
+    return written

@@ -13,6 +13,7 @@ killed and raises StageTimeout, a transient failure the flow recovers from by re
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -45,7 +46,9 @@ def ensure_ray() -> None:
         # logical CPUs beyond the cores, so a few policy workers and the rollout worker fit on a small machine
         # (each runs trainer.num_threads threads); "local": a new instance even when `ray start` left its address;
         # no idle workers started ahead, not even the two for the first driver (each is a Python process of
-        # ~80 MB that a run never uses)
+        # ~80 MB that a run never uses). Token authentication stays on (Ray's default for a local instance),
+        # without the notice Ray prints about it on every run
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         ray.init(
             address="local",
             num_cpus=max(8, os.cpu_count() or 2),

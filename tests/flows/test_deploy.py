@@ -38,4 +38,5 @@ def test_deployments_registered_with_schedule(prefect_harness):
         and train.parameters["pipeline"] == "arith-grpo"
     )
     assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
+    assert [s.schedule.timezone for s in nightly.schedules] == ["UTC"]  # as pipelines.yaml says
     assert not train.schedules

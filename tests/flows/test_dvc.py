@@ -5,6 +5,7 @@ workspace's run. The stages run from a shell without the venv activated (scripts
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -92,6 +93,11 @@ def test_repro_all_then_nothing_then_only_dependents(repo):
         assert f"Running stage '{stage}'" in first
     metrics = sh([DVC, "metrics", "show"], repo, env)
     assert "sft.acc" in metrics and "final.acc" in metrics
+    plots = json.loads(sh([DVC, "plots", "show", "--json", "dvc.yaml"], repo, env, stdout_only=True))["data"]
+    reward = plots["reward"][0]["content"]["data"]["values"]
+    iterations = yaml.safe_load((repo / "configs" / "arith_grpo.yaml").read_text())["trainer"]["iterations"]
+    assert [r["step"] for r in reward] == list(range(1, iterations + 1))
+    assert all(0 <= r["reward"] <= 1 for r in reward) and plots["held_out_accuracy"][0]["content"]["data"]
 
     second = sh([DVC, "repro", "dvc.yaml"], repo, env)
     assert "Running stage" not in second

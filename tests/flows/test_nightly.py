@@ -26,7 +26,7 @@ def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect
         "PYTHONUNBUFFERED": "1",
         "PREFECT_API_URL": prefect_api,
     }
-    cmd = [sys.executable, "-m", "flows.nightly", "--config", "configs/arith_grpo.yaml", *ov]
+    cmd = [sys.executable, "-m", "flows.nightly", "--config", "configs/arith_grpo.yaml", "--json", *ov]
     procs = [
         subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -62,3 +62,20 @@ def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect
     assert result["registry"]["model_id"] == result["train"]["model_id"]
     # the finished data stages came back from Prefect's persisted results: their files were not rewritten
     assert [f.stat().st_mtime_ns for f in data_files] == written
+    # the decision is an artifact of the flow run, for the Prefect UI
+    assert "reinforge-arith v1: champion" in promotion_artifacts(prefect_api)[0].data
+
+
+def promotion_artifacts(api: str) -> list:
+    import asyncio
+
+    from prefect.client.orchestration import PrefectClient
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def read() -> list:
+        async with PrefectClient(api) as client:
+            return await client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["promotion"]))
+            )
+
+    return asyncio.run(read())

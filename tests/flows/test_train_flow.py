@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,7 +62,7 @@ def test_each_iteration_logged_exactly_once(pipeline_run):
     assert run.data.params["algorithm.name"] == "grpo" and run.data.params["engine.n"] == "4"
     tags = run.data.tags
     assert tags["pipeline"] == "e2e-test" and tags["pipeline_version"] == "0.0.1"
-    assert len(tags["dvc.train_md5"]) == 32 and tags["git_commit"]
+    assert len(tags["dvc.train_md5"]) == 32 and len(tags["mlflow.source.git.commit"]) == 40
     assert "eval/final/acc" in run.data.metrics and "eval/sft/acc" in run.data.metrics
     artifacts = {a.path for a in client.list_artifacts(info["run_id"])}
     assert {"checkpoints", "reward_curve.png", "run.json"} <= artifacts
@@ -71,6 +72,74 @@ def test_each_iteration_logged_exactly_once(pipeline_run):
         "eval/acc",
         "eval/n",
     }  # the evaluation of that exact model
+
+
+def test_what_the_mlflow_ui_shows_is_there(pipeline_run):
+    """The run page: a name that says what ran, the experiment's kind, the dataset inputs with their DVC md5s,
+    a table of sampled completions at each evaluation, and a logged model with a signature."""
+    from urllib.parse import urlparse
+
+    import yaml
+
+    root, info, _ = pipeline_run
+    client = MlflowClient(f"sqlite:///{root}/mlruns.db")
+    run = client.get_run(info["run_id"])
+    assert run.info.run_name.startswith(f"e2e-test-grpo-{info['fingerprint'][:10]}-")
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == (
+        "custom_model_development"
+    )
+    inputs = {[t.value for t in d.tags][0]: d.dataset for d in run.inputs.dataset_inputs}
+    assert inputs["train"].digest == run.data.tags["dvc.train_md5"][:36]
+    assert json.loads(inputs["train"].profile)["num_rows"] > 0 and "prompt" in inputs["eval"].schema
+    tables = json.loads(run.data.tags["mlflow.loggedArtifacts"])
+    assert [t["path"] for t in tables] == [
+        "samples/iter_000002/answers.json",
+        "samples/iter_000004/answers.json",
+    ]
+    table = json.loads(
+        (root / client.download_artifacts(info["run_id"], tables[0]["path"], str(root))).read_text()
+    )
+    assert table["columns"][:5] == ["step", "prompt", "response", "ground_truth", "reward"]
+    assert len(table["data"]) == 8 and all(r[0] == 2 and r[1] for r in table["data"])
+    files = {a.path for a in client.list_logged_model_artifacts(info["model_id"])}
+    assert {"MLmodel", "config.json", "model.safetensors"} <= files
+    location = client.get_logged_model(info["model_id"]).artifact_location
+    mlmodel = yaml.safe_load((Path(urlparse(location).path) / "MLmodel").read_text())
+    assert json.loads(mlmodel["signature"]["inputs"]) == [
+        {"type": "string", "name": "prompt", "required": True}
+    ]
+
+
+def test_what_the_prefect_ui_shows_is_there(pipeline_run):
+    """The flow run: task runs named after their iteration, the per-iteration line in its logs, an artifact
+    for each evaluation."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, LogFilter, LogFilterFlowRunId
+
+    async def read() -> tuple[list, list, list]:
+        async with get_client() as client:
+            flows = await client.read_flow_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
+            runs = FlowRunFilter(id={"any_": [flows[0].id]})
+            tasks = await client.read_task_runs(flow_run_filter=runs)
+            logs = await client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flows[0].id]))
+            )
+            arts = await client.read_artifacts(flow_run_filter=runs)
+            return tasks, logs, arts
+
+    root, info, _ = pipeline_run
+    tags = MlflowClient(f"sqlite:///{root}/mlruns.db").get_run(info["run_id"]).data.tags
+    flow_run_id = tags["prefect.flow_run_id"]  # the MLflow run names the Prefect flow run that made it
+    tasks, logs, arts = asyncio.run(read())
+    names = {t.name for t in tasks}
+    assert {
+        f"{s}[it={i}]" for s in ("gen", "reward", "adv", "update-actor") for i in range(1, ITERATIONS + 1)
+    } <= names
+    assert any(m.message.startswith(f"iter {ITERATIONS}/{ITERATIONS}") for m in logs)
+    evaluations = [a for a in arts if a.key == "evaluation"]
+    assert len(evaluations) == 2 and "Greedy answers" in evaluations[0].data
 
 
 def test_checkpoint_reloads_into_an_equal_model(pipeline_run):

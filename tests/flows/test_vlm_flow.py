@@ -46,7 +46,7 @@ def test_the_vlm_pipeline_logs_vision_metrics_and_sample_images(vlm):
     assert len(metric("val/visual_count/acc")) == 2  # test_interval 2 of 4 iterations
     local = client.download_artifacts(whole["run_id"], "samples/iter_000004", str(root / "dl"))
     table = json.loads((Path(local) / "answers.json").read_text())
-    assert table["columns"][:3] == ["image", "prompt", "answer"] and len(table["data"]) == 4
+    assert table["columns"][:4] == ["image", "step", "prompt", "response"] and len(table["data"]) == 8
     assert all((root / "dl" / "iter_000004" / row[0]).is_file() for row in table["data"])
     final = whole["final_model"]
     model = load_model(final)
