@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import urllib.error
 import urllib.request
 from urllib.parse import urlparse
@@ -87,6 +88,37 @@ def check_services(timeout_s: float = 15.0) -> None:
     problems = [p for p in problems if p]
     if problems:
         raise ServiceError("\n  ".join(problems))
+
+
+_early_start: list[threading.Thread] = []
+
+
+def start_prefect_server_early() -> None:
+    """Start Prefect's in-process API server now, in a background thread, when the run will need it (no
+    PREFECT_API_URL). It is a subprocess that takes ~4 s to answer; started before this process imports
+    torch, transformers and MLflow (~7 s on 2 cores), it is up when the flow begins instead of after.
+    prefect_server_started() waits for it. Prefect keeps one such server per process: the flow finds it
+    running. A start that fails here is left to the flow, which starts it again and reports what fails."""
+    if os.environ.get("PREFECT_API_URL") or _early_start:
+        return
+
+    def start() -> None:
+        from prefect.server.api.server import SubprocessASGIServer
+
+        try:
+            SubprocessASGIServer().start()
+        except Exception:  # noqa: BLE001 - the flow's own start raises it, with Prefect's message
+            return
+
+    _early_start.append(threading.Thread(target=start, name="prefect-server-start", daemon=True))
+    _early_start[0].start()
+
+
+def prefect_server_started() -> None:
+    """Wait until start_prefect_server_early's server answers (or its start failed); at once when none was
+    started early."""
+    for thread in _early_start:
+        thread.join()
 
 
 def prefect_server_pid() -> int | None:

@@ -10,7 +10,7 @@ import sys
 import traceback
 
 from components.errors import ReinforgeError
-from components.services import check_services
+from components.services import check_services, prefect_server_started
 
 SERVER_NICE_ENV = "REINFORGE_PREFECT_SERVER_NICE"  # niceness of Prefect's in-process server; 0 = leave it
 
@@ -106,6 +106,7 @@ def run_cli(fn, *args, debug: bool = False, as_json: bool = False, **kwargs) -> 
     from components.shutdown import install_signal_handlers, wait_if_stopping
 
     install_signal_handlers()
+    prefect_server_started()  # when `reinforge` started it while the flow's modules were imported
     if not debug:
         quiet_user_errors()
     try:

@@ -8,6 +8,10 @@ import sys
 
 from flows.parsers import COMMANDS
 
+# the commands that run Prefect flows
+RUN_FLOWS = ("prepare", "clean", "data", "sft", "train", "evaluate", "reward-model", "nightly")
+RUN_RAY = ("train", "nightly")  # those whose workers are Ray actors
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -26,6 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     # --help, and options the command does not take, are answered here, before the flow's module imports
     # Prefect, Ray and torch; the flow parses the same arguments again with the same parser
     parser().parse_args(argv[1:])
+    if argv[0] in RUN_FLOWS:  # Prefect's server comes up while the flow's modules are imported
+        from components.services import start_prefect_server_early
+
+        start_prefect_server_early()
+    if argv[0] in RUN_RAY:  # and Ray (its init must run in this, the main, thread): ~2 s of waiting on
+        from components.training.cluster import ensure_ray  # its processes while the server's thread imports
+
+        ensure_ray()
     return importlib.import_module(module).main(extra + argv[1:])
 
 

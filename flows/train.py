@@ -14,12 +14,14 @@ holds (from before the update); the update's weights reach the engine once those
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+import psutil
 from prefect import flow
 
 from components.algorithms.shaping import KLController
@@ -36,7 +38,7 @@ from components.services import PrefectWatch
 from components.shutdown import note, on_stop, stop, stopping
 from components.tracking import checkpoints, runs
 from components.tracking.mlflow_tracker import Tracker
-from components.training.ray_workers import Workers, rebuild_workers, stop_workers
+from components.training.ray_workers import Workers, ensure_ray, rebuild_workers, stop_workers
 from flows import parsers
 from flows._args import check_config, run_cli, yield_prefect_server
 from tasks.common import for_iteration, is_transient, logger
@@ -64,6 +66,11 @@ from tasks.tracking import (
     save_checkpoint,
     start_run,
 )
+
+# the interpreter's start (a run's start-up is timed from it), and the instant this module and every module
+# it needs were imported
+PROCESS_STARTED, IMPORTED = psutil.Process().create_time(), time.time()
+_CLI = {"first_run": False}  # main() sets it: the next run is the one this process was started for
 
 
 @dataclass
@@ -93,6 +100,9 @@ class Run:
     history: list[dict] = field(default_factory=list)
     # asynchronous modes: the rollouts sampled ahead, in iteration order
     ahead: list[Ahead] = field(default_factory=list)
+    # this process's start-up, as wall-clock instants (time.time()) of its phases; logged (as timing_s/startup/*
+    # durations) with the first iteration it runs
+    marks: dict[str, float] = field(default_factory=dict)
 
     def stop_workers(self) -> None:
         stop_workers(self.workers)
@@ -243,9 +253,30 @@ def collect(run: Run, timer: Timer, first: tuple | None = None) -> tuple:
     return kept, metrics
 
 
+STARTUP_PHASES = (
+    "imports",
+    "prefect",
+    "setup",
+    "workers",
+)  # between consecutive marks, from the process's start
+
+
+def startup_metrics(marks: dict[str, float]) -> dict[str, float]:
+    """The process's start-up phases in seconds: imports (interpreter and modules; `reinforge` starts Prefect's
+    server meanwhile), prefect (the config's checks, the server if not up yet, the flow run), setup (Ray's
+    init, then the inputs, the data and the MLflow run while the workers start), workers (what is left of
+    their start, and the checkpoint), and first_gen: the process's start to its first rollout."""
+    instants = [marks["process"], *(marks[p] for p in STARTUP_PHASES)]
+    out = {f"timing_s/startup/{p}": b - a for p, a, b in zip(STARTUP_PHASES, instants, instants[1:])}
+    return out | {"timing_s/startup/first_gen": marks["first_gen"] - marks["process"]}
+
+
 def iteration(run: Run) -> dict[str, float]:
     """One RL iteration; returns its metrics (logged, and checkpointed when due)."""
     plan, workers, timer, it = run.plan, run.workers, Timer(), run.iteration
+    startup = {}
+    if "process" in run.marks:  # the first iteration of the run this process started for: its start-up
+        startup, run.marks = startup_metrics({**run.marks, "first_gen": time.time()}), {}
     if run.scored is not None and run.scored[0] == it:  # rebuilt mid-iteration: reuse what was scored,
         _, batch, m_reward, sampler_state = run.scored  # so each sample is scored once
         run.sampler.load_state_dict(sampler_state)
@@ -276,6 +307,7 @@ def iteration(run: Run) -> dict[str, float]:
         log_samples(run.tracker, samples, it, metrics)  # a few held-out prompts, the model's answers
     metrics["timing_s/step"] = time.perf_counter() - timer.start
     metrics.update(timer.seconds)
+    metrics.update(startup)
     # queued (MLflow stores them in the background; the checkpoint waits for them), before the checkpoint: a
     # crash between the two re-runs `it`
     run.tracker.log_metrics(metrics, it)
@@ -347,11 +379,42 @@ def _resume_hint(ckpt: str | None) -> str:
     )
 
 
-def train(run: Run, started: float) -> dict:
-    """Start the workers, restore, run the iterations (recovering from dead workers), save the final model."""
+@dataclass
+class StartingWorkers:
+    """The workers' start (the start-workers task), submitted as the flow begins: the actors' processes import
+    torch and load the model while this process checks the inputs, loads the data and opens the MLflow run
+    (~2 s of a ~6 s start on 2 cores). The run takes them; drop() stops them when none does."""
+
+    future: object  # PrefectFuture[Workers]
+    taken: bool = False
+
+    @classmethod
+    def submit(cls, plan: RunPlan) -> StartingWorkers:
+        ensure_ray()  # here: Ray's init must run in the main thread; the actors start in the task's thread
+        # (no Prefect timeout: it cannot interrupt a thread; the Ray calls inside have theirs)
+        return cls(start_workers.with_options(timeout_seconds=None).submit(plan))
+
+    def take(self) -> Workers:
+        self.taken = True
+        return self.future.result()
+
+    def drop(self) -> None:
+        if not self.taken:
+            self.taken = True
+            with contextlib.suppress(
+                Exception
+            ):  # a start that failed: the error that ended the run is reported
+                stop_workers(self.future.result())
+
+
+def train(run: Run, starting: StartingWorkers, started: float) -> dict:
+    """Take the started workers, restore, run the iterations (recovering from dead workers), save the final
+    model."""
     t, prefect, rebuilds = run.plan, PrefectWatch(), 0
-    run.workers = start_workers(t)
+    run.marks["setup"] = time.time()
+    run.workers = starting.take()
     restore(run)
+    run.marks["workers"] = time.time()
     with progress_bar("grpo", t.iterations - run.iteration + 1, run.cfg.trainer.progress) as advance:
         while run.iteration <= t.iterations:
             note(
@@ -425,27 +488,40 @@ def train_flow(
         pipeline: the pipeline's name (pipelines.yaml), recorded on the MLflow run.
         pipeline_version: the pipeline's version, recorded on the MLflow run.
     """
-    started = time.perf_counter()
+    started, entered = time.perf_counter(), time.time()
     yield_prefect_server()
     cfg = load_config(config, overrides or [])
     plan = make_plan(cfg)
-    tokenizer = check_inputs(cfg, plan.algorithm.needs_critic)
-    train_rows, eval_rows = load_datasets(cfg, tokenizer)
-    output = check_output(cfg.trainer.output_dir, "trainer.output_dir", TRAIN_OUTPUT, cfg.trainer.run_dir)
-    with exclusive(output.parent / f".{output.name}.lock", f"a training run in {output}"):
-        run = open_run(cfg, plan, tokenizer, train_rows, eval_rows, pipeline, pipeline_version)
-        try:
-            with on_stop("mlflow", lambda: run.tracker.end("KILLED")), on_stop("workers", run.stop_workers):
-                return train(run, started)
-        except BaseException:
-            run.tracker.end("KILLED" if stopping() else "FAILED")
-            raise
-        finally:
-            run.stop_workers()
+    starting = StartingWorkers.submit(plan)
+    try:
+        tokenizer = check_inputs(cfg, plan.algorithm.needs_critic)
+        train_rows, eval_rows = load_datasets(cfg, tokenizer)
+        output = check_output(cfg.trainer.output_dir, "trainer.output_dir", TRAIN_OUTPUT, cfg.trainer.run_dir)
+        with exclusive(output.parent / f".{output.name}.lock", f"a training run in {output}"):
+            run = open_run(cfg, plan, tokenizer, train_rows, eval_rows, pipeline, pipeline_version)
+            if _CLI[
+                "first_run"
+            ]:  # the run this process started for (`reinforge train`): its start-up is timed
+                _CLI["first_run"] = False
+                run.marks = {"process": PROCESS_STARTED, "imports": IMPORTED, "prefect": entered}
+            try:
+                with (
+                    on_stop("mlflow", lambda: run.tracker.end("KILLED")),
+                    on_stop("workers", run.stop_workers),
+                ):
+                    return train(run, starting, started)
+            except BaseException:
+                run.tracker.end("KILLED" if stopping() else "FAILED")
+                raise
+            finally:
+                run.stop_workers()
+    finally:
+        starting.drop()  # workers no run took (bad inputs, nothing to train, another run holds the lock)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parsers.train().parse_args(argv)
+    _CLI["first_run"] = True
     return check_config(a.config, a.overrides, a.debug) or run_cli(
         train_flow, a.config, a.overrides, debug=a.debug, as_json=a.json
     )

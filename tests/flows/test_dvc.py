@@ -223,7 +223,7 @@ def test_dataset_edited_behind_dvcs_back_stops_training(repo):
     table = pq.read_table(train)
     pq.write_table(table.slice(1), train)  # one row fewer, still a valid parquet
     res = subprocess.run(
-        ["scripts/py", "-m", "flows.train", "--config", "configs/arith_grpo.yaml"],
+        ["scripts/py", "-m", "flows.cli", "train", "--config", "configs/arith_grpo.yaml"],
         cwd=repo,
         env=env,
         capture_output=True,

@@ -72,7 +72,8 @@ def test_sigkilled_run_resumes_to_the_same_state(start, whole, prefect_api):
     cmd = [
         sys.executable,
         "-m",
-        "flows.train",
+        "flows.cli",  # `reinforge train`
+        "train",
         "--config",
         "configs/arith_grpo.yaml",
         *ov,
@@ -265,7 +266,8 @@ def test_a_signal_stops_the_run_at_once_leaving_nothing_and_a_resume_is_exact(st
     cmd = [
         sys.executable,
         "-m",
-        "flows.train",
+        "flows.cli",  # `reinforge train`
+        "train",
         "--config",
         "configs/arith_grpo.yaml",
         *ov,
@@ -310,7 +312,8 @@ def test_a_dead_prefect_server_stops_the_run_within_one_stage(start):
     cmd = [
         sys.executable,
         "-m",
-        "flows.train",
+        "flows.cli",  # `reinforge train`
+        "train",
         "--config",
         "configs/arith_grpo.yaml",
         *ov,

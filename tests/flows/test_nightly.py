@@ -26,7 +26,7 @@ def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect
         "PYTHONUNBUFFERED": "1",
         "PREFECT_API_URL": prefect_api,
     }
-    cmd = [sys.executable, "-m", "flows.nightly", "--config", "configs/arith_grpo.yaml", "--json", *ov]
+    cmd = [sys.executable, "-m", "flows.cli", "nightly", "--config", "configs/arith_grpo.yaml", "--json", *ov]
     procs = [
         subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True

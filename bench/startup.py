@@ -1,0 +1,74 @@
+"""A training process's start-up: process start -> first rollout, by phase, for `reinforge train` (Prefect's
+server and Ray started while the flow's modules import; the workers start while the inputs are checked)
+against `python -m flows.train` (the same flow, the services started when it needs them), alternated,
+medians of the timing_s/startup/* metrics each run logs to MLflow.
+
+    python -m bench.startup               # 3 runs of each, 1 iteration each, on the default config
+    python -m bench.startup --reps 5
+
+Needs the default pipeline's SFT model and data (`make run`, or `dvc repro dvc.yaml`). The runs train into
+checkpoints/bench_startup and log to the project's MLflow store (experiment bench-startup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+PHASES = ("imports", "prefect", "setup", "workers", "first_gen")
+ENTRIES = {
+    "reinforge train": [sys.executable, "-m", "flows.cli", "train"],
+    "python -m flows.train": [sys.executable, "-m", "flows.train"],
+}
+OVERRIDES = [
+    "trainer.iterations=1",
+    "trainer.output_dir=checkpoints/bench_startup",
+    "trainer.when_finished=retrain",
+    "trainer.test_interval=100",
+    "trainer.save_interval=100",
+    "trainer.experiment_name=bench-startup",
+    "trainer.progress=false",
+]
+
+
+def one_run(cmd: list[str]) -> dict[str, float]:
+    from mlflow.tracking import MlflowClient
+
+    from components.tracking.mlflow_tracker import default_tracking_uri
+
+    started = time.time()
+    res = subprocess.run([*cmd, *OVERRIDES, "--json"], capture_output=True, text=True, timeout=600)
+    wall = time.time() - started
+    if res.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
+    run_id = json.loads(res.stdout[res.stdout.index("{") :])["run_id"]
+    metrics = MlflowClient(default_tracking_uri()).get_run(run_id).data.metrics
+    return {p: metrics[f"timing_s/startup/{p}"] for p in PHASES} | {"process_wall": wall}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=3, help="runs of each entry point, alternated")
+    a = p.parse_args(argv)
+    results: dict[str, list[dict]] = {name: [] for name in ENTRIES}
+    for _ in range(a.reps):
+        for name, cmd in ENTRIES.items():
+            results[name].append(one_run(cmd))
+    columns = (*PHASES, "process_wall")
+    print(f"{'median seconds':<24}" + "".join(f"{c:>13}" for c in columns))
+    medians = {
+        name: {c: statistics.median(r[c] for r in runs) for c in columns} for name, runs in results.items()
+    }
+    for name, m in medians.items():
+        print(f"{name:<24}" + "".join(f"{m[c]:>13.2f}" for c in columns))
+    ours, plain = medians["reinforge train"], medians["python -m flows.train"]
+    ratio = ours["first_gen"] / plain["first_gen"]
+    print(f"first rollout: {ours['first_gen']:.2f} s vs {plain['first_gen']:.2f} s ({ratio:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
