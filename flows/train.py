@@ -152,12 +152,12 @@ def sample_ahead(run: Run) -> None:
         if it in have:
             continue
         rows = [run.train_rows[i] for i in run.sampler.next_indices()]
-        # (no Prefect timeout: it cannot interrupt a worker thread; the Ray calls inside have theirs)
+        # (no Prefect timeout, 0: it cannot interrupt a worker thread; the Ray calls inside have theirs)
         with for_iteration(it):  # their runs are named after the iteration they sample for
-            gen = generate_rollouts.with_options(timeout_seconds=None).submit(
+            gen = generate_rollouts.with_options(timeout_seconds=0).submit(
                 run.workers, rows, plan, it, run.version
             )
-            reward = score_rewards.with_options(timeout_seconds=None).submit(
+            reward = score_rewards.with_options(timeout_seconds=0).submit(
                 gen, run.tokenizer, plan, run.workers, run.scorers
             )
         run.ahead.append(Ahead(it, gen, reward))
@@ -391,8 +391,8 @@ class StartingWorkers:
     @classmethod
     def submit(cls, plan: RunPlan) -> StartingWorkers:
         ensure_ray()  # here: Ray's init must run in the main thread; the actors start in the task's thread
-        # (no Prefect timeout: it cannot interrupt a thread; the Ray calls inside have theirs)
-        return cls(start_workers.with_options(timeout_seconds=None).submit(plan))
+        # (no Prefect timeout, 0 (None keeps the task's): it cannot interrupt a thread; the Ray calls have theirs)
+        return cls(start_workers.with_options(timeout_seconds=0).submit(plan))
 
     def take(self) -> Workers:
         self.taken = True
@@ -415,7 +415,9 @@ def train(run: Run, starting: StartingWorkers, started: float) -> dict:
     run.workers = starting.take()
     restore(run)
     run.marks["workers"] = time.time()
-    with progress_bar("grpo", t.iterations - run.iteration + 1, run.cfg.trainer.progress) as advance:
+    with progress_bar(
+        run.cfg.algorithm.name, t.iterations - run.iteration + 1, run.cfg.trainer.progress
+    ) as advance:
         while run.iteration <= t.iterations:
             note(
                 iteration=f"iteration {run.iteration} of {t.iterations}", resume=_resume_hint(run.checkpoint)

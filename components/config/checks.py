@@ -221,6 +221,37 @@ def lora_config_problems(cfg: Config) -> list[str]:
     return problems + lora_problems(cfg.actor.model.path, LoraSettings.from_config(lora))
 
 
+def critic_lora_problems(cfg: Config) -> list[str]:
+    """The critic's adapters: the same limits as the actor's (its backbone is trained by the same workers),
+    and adapters its backbone can take."""
+    lora, t = cfg.critic.lora, cfg.trainer
+    if lora.rank == 0:
+        return []
+    problems = []
+    if lora.quantization != "none":
+        problems.append(
+            f"critic.lora.quantization={lora.quantization}: a quantized critic backbone is not supported in "
+            "this version; set critic.lora.quantization=none."
+        )
+    unsupported = {
+        "actor.tensor_model_parallel_size > 1": cfg.actor.tensor_model_parallel_size > 1,
+        "actor.pipeline_model_parallel_size > 1": cfg.actor.pipeline_model_parallel_size > 1,
+        "trainer.strategy=deepspeed": t.strategy == "deepspeed",
+        "trainer.strategy=fsdp over several workers": t.strategy == "fsdp" and t.num_workers > 1,
+        "trainer.checkpoint_format=sharded": t.checkpoint_format == "sharded",
+        "actor.model.type=multimodal": cfg.actor.model.type == "multimodal",
+    }
+    problems += [
+        f"critic.lora.rank={lora.rank} with {what} is not supported in this version; set one of them back."
+        for what, present in unsupported.items()
+        if present
+    ]
+    from components.models.lora import LoraSettings, lora_problems
+
+    backbone = cfg.critic.model_path or cfg.actor.model.path
+    return problems + lora_problems(backbone, LoraSettings.from_config(lora), "critic.lora")
+
+
 def async_problems(cfg: Config) -> list[str]:
     """Asynchronous modes need an engine with weights of its own, awake while the policy updates."""
     t, mode = cfg.trainer, cfg.trainer.async_mode
@@ -326,7 +357,7 @@ def check_combinations(cfg: Config) -> None:
         problems.append(str(exc.args[0]))
     problems += engine_problems(cfg.engine.type)
     problems += mesh_problems(cfg) + pipeline_problems(cfg, bool(algo and algo.needs_critic))
-    problems += async_problems(cfg) + lora_config_problems(cfg)
+    problems += async_problems(cfg) + lora_config_problems(cfg) + critic_lora_problems(cfg)
     if cfg.trainer.rollout_placement == "colocate" and (
         cfg.engine.type != "hf" or cfg.engine.num_engines > 1
     ):

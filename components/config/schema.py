@@ -206,6 +206,10 @@ class CriticConfig(Section):
     )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="critic optimizer")
     cliprange_value: float = Field(0.5, gt=0, description="clip of the value change around the old values")
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig,
+        description="LoRA adapters on the critic's backbone (its value head trains whole); rank 0: full weights",
+    )
 
 
 class EngineConfig(Section):

@@ -8,6 +8,8 @@ from transformers import PreTrainedModel
 
 from components.algorithms.losses import AggParams, value_loss
 from components.batch import Batch
+from components.models.loading import load_model
+from components.models.lora import LoraSettings, apply_lora
 from components.models.vlm import image_token_id
 from components.training.distributed import Comm
 from components.training.logprobs import response_attention, sequence_inputs
@@ -45,6 +47,16 @@ class ValueModel(torch.nn.Module):
             hidden = self.backbone(**inputs).last_hidden_state  # (N, P+R, H)
         values = self.head(hidden[:, P - 1 : P + R - 1, :]).squeeze(-1).float()  # (N, R)
         return values * response_mask
+
+
+def build_value_model(path: str, dtype: str, attention: str, key: str, lora: LoraSettings) -> ValueModel:
+    """The critic: the causal LM at `path` (`key` names it in errors) as a backbone, with LoRA adapters
+    injected into its layers when `lora` is enabled (its weights then frozen: the adapters and the value head
+    train, and only they get optimizer state)."""
+    backbone = load_model(path, dtype, attention, key)
+    if lora.enabled:
+        apply_lora(backbone, lora, path)  # in place: the backbone's own modules get the adapters
+    return ValueModel(backbone)
 
 
 class CriticTrainer:

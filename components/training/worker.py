@@ -19,6 +19,7 @@ from components.models.loading import load_image_encoder, load_model, load_token
 from components.models.lora import (
     ADAPTER_WEIGHTS,
     AdaptersOff,
+    LoraSettings,
     adapter_state,
     apply_lora,
     load_adapter_state,
@@ -31,7 +32,7 @@ from components.tracking import sharded as S
 from components.tracking.checkpoints import load_optimizer, save_optimizer
 from components.training import distributed as D
 from components.training.actor import PolicyTrainer, UpdateSettings
-from components.training.critic import CriticTrainer, ValueModel
+from components.training.critic import CriticTrainer, build_value_model
 from components.training.logprobs import batch_logprobs
 from components.training.optim import freeze_vision, make_optimizer, make_scheduler, param_groups
 from components.training.seeding import seed_everything
@@ -203,10 +204,10 @@ class PolicyWorker:
     def _make_critic(self, settings: UpdateSettings) -> CriticTrainer:
         m, c = self.s.model, self.s.critic
         key = "critic.model_path" if c.model_path else "actor.model.path"
-        model = self._wrap(
-            ValueModel(load_model(c.model_path or m.path, m.dtype, m.attention_implementation, key)),
-            c.optimizer,
+        value_model = build_value_model(
+            c.model_path or m.path, m.dtype, m.attention_implementation, key, LoraSettings.from_config(c.lora)
         )
+        model = self._wrap(value_model, c.optimizer)
         opt, sched = self._optimizer(model, c.optimizer)
         return CriticTrainer(model, opt, sched, settings.loop, c.cliprange_value, "token-mean", self.comm)
 

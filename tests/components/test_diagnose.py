@@ -110,3 +110,31 @@ def test_a_config_needing_8_gpus_fails_on_this_machine(tiny_model_dir):
     devices = next(c for c in fits(None, overrides) if c.name == "devices")
     assert devices.status == "fail" and "8 workers x 1 GPU, 0 GPUs here" in devices.found
     assert "RAY_ADDRESS" in devices.fix
+
+
+def test_an_engine_older_than_its_adapter_needs_fails_with_the_upgrade():
+    from components.diagnose import engine_too_old
+
+    assert "pip install 'vllm>=0.10.2'" in engine_too_old("vllm", "0.8.5")
+    assert engine_too_old("vllm", "0.11.0") == "" and engine_too_old("sglang", "0.5.2") == ""
+    assert "unreadable" in engine_too_old("tensorrt_llm", "dev")
+
+
+def test_ray_cluster_resources_are_described_without_its_node_entries():
+    from components.diagnose import describe_resources
+
+    resources = {
+        "CPU": 16.0,
+        "GPU": 8.0,
+        "memory": 64 * 2**30,
+        "node:10.0.0.1": 1.0,
+        "accelerator_type:H100": 1.0,
+    }
+    assert describe_resources(resources) == "CPU 16, GPU 8, memory 64.0 GiB, accelerator_type:H100 1"
+
+
+def test_an_unreachable_cluster_s_resources_say_why(monkeypatch):
+    from components.diagnose import ray_cluster_resources
+
+    monkeypatch.setattr("components.diagnose.RAY_RESOURCES", "import sys; sys.exit('connection refused')")
+    assert ray_cluster_resources("127.0.0.1:1", timeout_s=30) == "connection refused"

@@ -123,7 +123,7 @@ def _wait_for(port: int, env: dict, nodes: int = 1, timeout: float = 120) -> Non
     raise TimeoutError(f"the Ray cluster on port {port} did not reach {nodes} nodes")
 
 
-def test_an_update_across_two_ray_nodes(tmp_path, tiny_model_dir):
+def test_an_update_across_two_ray_nodes(tmp_path, tiny_model_dir, monkeypatch):
     port = _free_port()
     env = {
         **os.environ,
@@ -170,6 +170,12 @@ def test_an_update_across_two_ray_nodes(tmp_path, tiny_model_dir):
         out = json.loads(res.stdout.strip().splitlines()[-1])
         assert len(set(out["nodes"])) == 2, out  # one worker on each node
         assert out["grad_norm"] > 0
+        # `reinforge diagnose` reads the cluster's resources: both nodes' CPUs
+        from components.diagnose import describe_resources, ray_cluster_resources
+
+        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+        resources = ray_cluster_resources(f"127.0.0.1:{port}")
+        assert describe_resources(resources).startswith("CPU 4, GPU 0, memory "), resources
     finally:
         _stop_cluster(nodes, port)
 

@@ -136,6 +136,11 @@ def test_merging_never_touches_the_base(tiny_model_dir, tokenizer):
             ["actor.lora.rank=4", "trainer.num_workers=2", "trainer.strategy=fsdp"],
             r"actor\.lora\.rank=4 with trainer\.strategy=fsdp over several workers is not supported",
         ),
+        (
+            ["critic.lora.rank=4", "critic.lora.target_modules=[nope_proj]"],
+            r"critic\.lora\.target_modules: \['nope_proj'\] name no linear layer",
+        ),
+        (["critic.lora.rank=64"], r"critic\.lora\.rank=64 is larger than the smallest side \(32\)"),
     ],
 )
 def test_what_lora_cannot_take_fails_before_any_work_naming_the_key(tiny_model_dir, overrides, match):
@@ -143,3 +148,32 @@ def test_what_lora_cannot_take_fails_before_any_work_naming_the_key(tiny_model_d
         load_config(
             None, [f"actor.model.path={tiny_model_dir}", "data.batch_size=2", "engine.n=4", *overrides]
         )
+
+
+def test_a_critic_with_adapters_trains_the_adapters_and_its_head_alone(tiny_model_dir, tokenizer):
+    """critic.lora: the backbone's weights stay bit-identical, the adapters and the value head move, and the
+    optimizer holds state for them alone."""
+    from components.training.critic import CriticTrainer, build_value_model
+
+    torch.manual_seed(0)
+    start = {k: v.clone() for k, v in load_model(tiny_model_dir).base_model.state_dict().items()}
+    model = build_value_model(str(tiny_model_dir), "float32", "sdpa", "critic.model_path", LORA)
+    cfg = load_config(None, ["critic.optimizer.lr=0.05", "critic.optimizer.type=adamw"]).critic.optimizer
+    opt, sched = make_optimizer(param_groups(model, cfg.lr), cfg)
+    trainer = CriticTrainer(model, opt, sched, LoopSettings(grad_clip=1e9), cliprange=0.5)
+    for step in range(2):
+        b = synthetic_batch(tokenizer, seed=step)
+        mask = b.tensors["response_mask"].float()
+        trainer.update(b.union(values=trainer.values(b), returns=torch.ones_like(mask) * mask))
+    backbone = {
+        k.replace(".base_layer", ""): v for k, v in model.backbone.state_dict().items() if "lora_" not in k
+    }
+    assert backbone.keys() == start.keys() and all(torch.equal(backbone[k], start[k]) for k in start)
+    assert float(model.head.weight.abs().max()) > 0  # the head moved off its zero start
+    adapters = {n: p for n, p in model.named_parameters() if "lora_B" in n}
+    assert adapters and any(float(p.abs().max()) > 0 for p in adapters.values())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert {id(p) for p in opt.state} == {id(p) for p in trainable}
+    assert (
+        len(trainable) == 2 * len(adapters) + 2
+    )  # A and B of each adapted layer, the head's weight and bias
