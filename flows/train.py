@@ -65,6 +65,7 @@ from tasks.tracking import (
     run_fingerprint,
     save_checkpoint,
     start_run,
+    trace_episodes,
 )
 
 # the interpreter's start (a run's start-up is timed from it), and the instant this module and every module
@@ -305,6 +306,8 @@ def iteration(run: Run) -> dict[str, float]:
             )
         )
         log_samples(run.tracker, samples, it, metrics)  # a few held-out prompts, the model's answers
+        if plan.rollout.multi_turn is not None:  # and a few of this iteration's episodes, turn by turn
+            trace_episodes(run.tracker, batch, run.tokenizer, it)
     metrics["timing_s/step"] = time.perf_counter() - timer.start
     metrics.update(timer.seconds)
     metrics.update(startup)

@@ -53,12 +53,13 @@ shot() {  # shot NAME URL
   echo "docs/img/$1.png <- $2"
 }
 m=http://127.0.0.1:5010
-shot mlflow_run "$m/#/experiments/$exp/runs/$run_b"
-shot mlflow_model "$m/#/experiments/$exp/models/$model"
-shot mlflow_completions "$m/#/experiments/$exp/runs/$run_b/artifacts/samples/iter_000010/answers.json"
-shot mlflow_compare "$m/#/compare-runs?runs=[%22$run_a%22,%22$run_b%22]&experiments=[%22$exp%22]"
-shot mlflow_registry "$m/#/models/reinforge-demo"
+ml="workflowType=machine_learning"  # the UI's model-training view (its default is the GenAI one)
+shot mlflow_run "$m/#/experiments/$exp/runs/$run_b?$ml"
+shot mlflow_model "$m/#/experiments/$exp/models/$model?$ml"
+shot mlflow_completions "$m/#/experiments/$exp/runs/$run_b/artifacts/samples/iter_000010/answers.json?$ml"
+shot mlflow_compare "$m/#/compare-runs?runs=[%22$run_a%22,%22$run_b%22]&experiments=[%22$exp%22]&$ml"
+shot mlflow_registry "$m/#/models/reinforge-demo?$ml"
 p=http://127.0.0.1:4310
 shot prefect_flow_run "$p/runs/flow-run/$flow_run"
-shot prefect_artifacts "$p/runs/flow-run/$flow_run?tab=Artifacts"
-shot prefect_logs "$p/runs/flow-run/$flow_run?tab=Logs"
+shot prefect_evaluation "$p/artifacts/key/evaluation"
+shot prefect_promotion "$p/artifacts/key/promotion"

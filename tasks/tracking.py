@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from components.batch import Batch
 from components.config import Config, fingerprint
 from components.config.loader import training_keys
 from components.data.io import write_atomic
@@ -205,6 +206,32 @@ def evaluation_artifact(iteration: int, metrics: dict[str, float], samples: list
         key="evaluation",
         description=f"held-out evaluation at iteration {iteration}",
     )
+
+
+EPISODES = 4  # sampled multi-turn episodes traced at each evaluation
+
+
+@stage(name="trace-episodes")
+def trace_episodes(tracker: Tracker, batch: Batch, tokenizer, iteration: int) -> list[str]:
+    """The first EPISODES multi-turn episodes of this iteration's rollout as MLflow traces: their prompt, each
+    turn's text (the model's, the tool's) and their reward. Returns the trace ids."""
+    from components.rollout.multi_turn import episode_turns
+
+    t = batch.tensors
+    episodes = []
+    for i in range(min(EPISODES, len(batch))):
+        response = t["responses"][i]
+        turns = episode_turns(t["response_mask"][i], t["response_attention_mask"][i])
+        prompt = t["prompts"][i][t["prompt_mask"][i].bool()]
+        episodes.append(
+            {
+                "prompt": tokenizer.decode(prompt, skip_special_tokens=True),
+                "turns": [(role, tokenizer.decode(response[a:b])) for role, a, b in turns],
+                "reward": float(t["scores"][i]),
+                "ground_truth": str(batch.non_tensors["ground_truth"][i]),
+            }
+        )
+    return tracker.log_episode_traces(episodes, iteration)
 
 
 @stage(name="restore-checkpoint")

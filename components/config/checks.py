@@ -173,7 +173,7 @@ def tensor_parallel_problems(cfg: Config) -> list[str]:
 def lora_config_problems(cfg: Config) -> list[str]:
     """What LoRA cannot be combined with in this version, a quantized base without a GPU, an engine that
     takes no adapters, and adapters the model cannot take (components/models/lora.py)."""
-    lora, t = cfg.actor.lora, cfg.trainer
+    lora = cfg.actor.lora
     if lora.rank == 0:
         if lora.quantization != "none":
             return [
@@ -202,6 +202,15 @@ def lora_config_problems(cfg: Config) -> list[str]:
             f"actor.lora.rank={lora.rank} with engine.type={cfg.engine.type}: this version sends adapters alone "
             "only to the hf engine; set engine.lora_merge_on_sync=true (merged full weights after each update)."
         )
+    problems += lora_limits(cfg, "actor.lora", lora.rank)
+    from components.models.lora import LoraSettings, lora_problems
+
+    return problems + lora_problems(cfg.actor.model.path, LoraSettings.from_config(lora))
+
+
+def lora_limits(cfg: Config, key: str, rank: int) -> list[str]:
+    """What adapters (the actor's or the critic's, `key`) cannot be combined with in this version."""
+    t = cfg.trainer
     unsupported = {
         "actor.tensor_model_parallel_size > 1": cfg.actor.tensor_model_parallel_size > 1,
         "actor.pipeline_model_parallel_size > 1": cfg.actor.pipeline_model_parallel_size > 1,
@@ -211,20 +220,17 @@ def lora_config_problems(cfg: Config) -> list[str]:
         "trainer.checkpoint_format=sharded": t.checkpoint_format == "sharded",
         "actor.model.type=multimodal": cfg.actor.model.type == "multimodal",
     }
-    for what, present in unsupported.items():
-        if present:
-            problems.append(
-                f"actor.lora.rank={lora.rank} with {what} is not supported in this version; set one of them back."
-            )
-    from components.models.lora import LoraSettings, lora_problems
-
-    return problems + lora_problems(cfg.actor.model.path, LoraSettings.from_config(lora))
+    return [
+        f"{key}.rank={rank} with {what} is not supported in this version; set one of them back."
+        for what, present in unsupported.items()
+        if present
+    ]
 
 
 def critic_lora_problems(cfg: Config) -> list[str]:
     """The critic's adapters: the same limits as the actor's (its backbone is trained by the same workers),
     and adapters its backbone can take."""
-    lora, t = cfg.critic.lora, cfg.trainer
+    lora = cfg.critic.lora
     if lora.rank == 0:
         return []
     problems = []
@@ -233,19 +239,7 @@ def critic_lora_problems(cfg: Config) -> list[str]:
             f"critic.lora.quantization={lora.quantization}: a quantized critic backbone is not supported in "
             "this version; set critic.lora.quantization=none."
         )
-    unsupported = {
-        "actor.tensor_model_parallel_size > 1": cfg.actor.tensor_model_parallel_size > 1,
-        "actor.pipeline_model_parallel_size > 1": cfg.actor.pipeline_model_parallel_size > 1,
-        "trainer.strategy=deepspeed": t.strategy == "deepspeed",
-        "trainer.strategy=fsdp over several workers": t.strategy == "fsdp" and t.num_workers > 1,
-        "trainer.checkpoint_format=sharded": t.checkpoint_format == "sharded",
-        "actor.model.type=multimodal": cfg.actor.model.type == "multimodal",
-    }
-    problems += [
-        f"critic.lora.rank={lora.rank} with {what} is not supported in this version; set one of them back."
-        for what, present in unsupported.items()
-        if present
-    ]
+    problems += lora_limits(cfg, "critic.lora", lora.rank)
     from components.models.lora import LoraSettings, lora_problems
 
     backbone = cfg.critic.model_path or cfg.actor.model.path

@@ -173,3 +173,17 @@ def multi_turn_generate(
         torch.tensor(calls, dtype=torch.float32),
         torch.tensor(errors, dtype=torch.float32),
     )
+
+
+def episode_turns(model_mask: torch.Tensor, attention: torch.Tensor) -> list[tuple[str, int, int]]:
+    """One sampled episode's turns in order, as (role, start, end) spans of its response tokens: "assistant"
+    for a run of model tokens (model_mask 1), "tool" for a run of tool-turn tokens between them (attention 1,
+    model_mask 0); padding (attention 0) ends the episode. model_mask, attention: (R,)."""
+    turns: list[tuple[str, int, int]] = []
+    for t in range(int(attention.sum())):
+        role = "assistant" if int(model_mask[t]) else "tool"
+        if turns and turns[-1][0] == role:
+            turns[-1] = (role, turns[-1][1], t + 1)
+        else:
+            turns.append((role, t, t + 1))
+    return turns

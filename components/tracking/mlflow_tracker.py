@@ -160,6 +160,10 @@ class Tracker:
             self.client.finalize_logged_model(model.model_id, "FAILED")
             raise
         self.client.finalize_logged_model(model.model_id, "READY")
+        from mlflow.entities import LoggedModelOutput
+
+        # an output of this run: the run page lists it under "Logged models"
+        self.client.log_outputs(self.run_id, [LoggedModelOutput(model.model_id, 0)])
         return model.model_id
 
     def _already_logged(self) -> set[tuple[str, int]]:
@@ -258,6 +262,33 @@ class Tracker:
             if history:
                 series[name] = {m.step: m.value for m in history}
         return series
+
+    def log_episode_traces(self, episodes: list[dict], iteration: int) -> list[str]:
+        """Each sampled multi-turn episode as an MLflow trace of this run (the run's Traces tab): a root span
+        with the prompt, a span per turn (the model's text, the tool's result) and the reward. `episodes`:
+        {prompt, turns: [(role, text)], reward, ground_truth}. Returns the trace ids."""
+        ids = []
+        for k, e in enumerate(episodes):
+            root = self.client.start_trace(
+                f"episode[it={iteration}]",
+                span_type="AGENT",
+                inputs={"prompt": e["prompt"]},
+                attributes={"iteration": str(iteration), "sample": str(k)},
+                experiment_id=self.experiment_id,
+                run_id=self.run_id,
+            )
+            for turn, (role, text) in enumerate(e["turns"]):
+                span_type = "LLM" if role == "assistant" else "TOOL"
+                span = self.client.start_span(
+                    f"{role}[{turn}]", root.trace_id, root.span_id, span_type=span_type, inputs={"turn": turn}
+                )
+                self.client.end_span(root.trace_id, span.span_id, outputs={"text": text})
+            self.client.end_trace(
+                root.trace_id, outputs={"reward": e["reward"], "ground_truth": e["ground_truth"]}
+            )
+            ids.append(root.trace_id)
+        mlflow.flush_trace_async_logging()
+        return ids
 
     def log_artifacts(self, local_dir: str | Path, artifact_path: str) -> None:
         self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)

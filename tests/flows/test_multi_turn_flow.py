@@ -34,3 +34,11 @@ def test_tool_calling_pipeline_runs_and_logs_turns(tmp_path, prefect_harness, ra
     assert len(turns) == 2 and all(1.0 <= t <= 2.0 for t in turns)
     assert len(metric("tool_call_counts/mean")) == 2 and len(metric("tool_errors/mean")) == 2
     assert len(metric("actor/pg_loss")) == 2 and len(metric("val/arith_tool/acc")) == 1
+    # the episodes sampled at the evaluation (iteration 2), each a trace of the run: prompt, turns, reward
+    traces = client.search_traces(locations=[client.get_run(info["run_id"]).info.experiment_id])
+    assert len(traces) == 4 and {t.info.request_metadata["mlflow.sourceRun"] for t in traces} == {
+        info["run_id"]
+    }
+    spans = traces[0].data.spans
+    assert spans[0].name == "episode[it=2]" and spans[1].name == "assistant[0]"
+    assert {"reward", "ground_truth"} <= spans[0].outputs.keys() and spans[1].outputs["text"]

@@ -101,6 +101,7 @@ def test_what_the_mlflow_ui_shows_is_there(pipeline_run):
     )
     assert table["columns"][:5] == ["step", "prompt", "response", "ground_truth", "reward"]
     assert len(table["data"]) == 8 and all(r[0] == 2 and r[1] for r in table["data"])
+    assert [o.model_id for o in run.outputs.model_outputs] == [info["model_id"]]  # the run page lists it
     files = {a.path for a in client.list_logged_model_artifacts(info["model_id"])}
     assert {"MLmodel", "config.json", "model.safetensors"} <= files
     location = client.get_logged_model(info["model_id"]).artifact_location

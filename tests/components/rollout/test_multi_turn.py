@@ -153,3 +153,12 @@ def test_sft_masks_tool_output(tokenizer):
         targets == answer.replace("<tool_response>6</tool_response>", "") + "<eos>"
         and ex.answer_mask.count(0) == 3
     )
+
+
+def test_an_episode_splits_into_its_turns():
+    from components.rollout.multi_turn import episode_turns
+
+    model = torch.tensor([1, 1, 0, 0, 1, 0, 0])  # the model's call, the tool's result, the answer, padding
+    attention = torch.tensor([1, 1, 1, 1, 1, 0, 0])
+    assert episode_turns(model, attention) == [("assistant", 0, 2), ("tool", 2, 4), ("assistant", 4, 5)]
+    assert episode_turns(torch.zeros(3), torch.zeros(3)) == []
