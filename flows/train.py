@@ -104,6 +104,7 @@ class Run:
     # this process's start-up, as wall-clock instants (time.time()) of its phases; logged (as timing_s/startup/*
     # durations) with the first iteration it runs
     marks: dict[str, float] = field(default_factory=dict)
+    watch: PrefectWatch | None = None  # whether the Prefect server still answers
 
     def stop_workers(self) -> None:
         stop_workers(self.workers)
@@ -272,6 +273,14 @@ def startup_metrics(marks: dict[str, float]) -> dict[str, float]:
     return out | {"timing_s/startup/first_gen": marks["first_gen"] - marks["process"]}
 
 
+def stop_if_prefect_died(run: Run) -> None:
+    """A dead Prefect server stops the run (the checkpoint before it intact), rather than training on blind
+    while its calls retry."""
+    problem = run.watch.problem() if run.watch is not None else None
+    if problem:
+        stop(problem, 2)
+
+
 def iteration(run: Run) -> dict[str, float]:
     """One RL iteration; returns its metrics (logged, and checkpointed when due)."""
     plan, workers, timer, it = run.plan, run.workers, Timer(), run.iteration
@@ -305,6 +314,7 @@ def iteration(run: Run) -> dict[str, float]:
                 "testing", evaluate_policy, workers, run.eval_rows, plan, run.tokenizer, run.scorers, samples
             )
         )
+        stop_if_prefect_died(run)  # before the evaluation's artifact, a call the dead server would stall
         log_samples(run.tracker, samples, it, metrics)  # a few held-out prompts, the model's answers
         if plan.rollout.multi_turn is not None:  # and a few of this iteration's episodes, turn by turn
             trace_episodes(run.tracker, batch, run.tokenizer, it)
@@ -413,7 +423,8 @@ class StartingWorkers:
 def train(run: Run, starting: StartingWorkers, started: float) -> dict:
     """Take the started workers, restore, run the iterations (recovering from dead workers), save the final
     model."""
-    t, prefect, rebuilds = run.plan, PrefectWatch(), 0
+    t, rebuilds = run.plan, 0
+    run.watch = PrefectWatch()
     run.marks["setup"] = time.time()
     run.workers = starting.take()
     restore(run)
@@ -425,9 +436,7 @@ def train(run: Run, starting: StartingWorkers, started: float) -> dict:
             note(
                 iteration=f"iteration {run.iteration} of {t.iterations}", resume=_resume_hint(run.checkpoint)
             )
-            problem = prefect.problem()  # at a stage boundary: a dead server stops the run here
-            if problem:
-                stop(problem, 2)
+            stop_if_prefect_died(run)  # at a stage boundary
             try:
                 with for_iteration(run.iteration):  # the task runs' names: gen[it=12], ...
                     metrics = iteration(run)

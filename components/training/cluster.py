@@ -15,8 +15,11 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def ensure_ray() -> None:
-    """ray.init() once: RAY_ADDRESS's cluster (shipping our code to it) or a local instance."""
+    """ray.init() once: RAY_ADDRESS's cluster (shipping our code to it) or a local instance. Every call (in the
+    main thread) puts our signal handlers back: a library that started since (Prefect's flow engine, or Ray
+    itself) may have replaced them."""
     if ray.is_initialized():
+        reclaim_signals()
         return
     address = os.environ.get("RAY_ADDRESS")
     runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}}
