@@ -13,6 +13,19 @@ RUN_FLOWS = ("prepare", "clean", "data", "sft", "train", "evaluate", "reward-mod
 RUN_RAY = ("train", "nightly")  # those whose workers are Ray actors
 
 
+def start_ray_checking_config(args: argparse.Namespace) -> int:
+    """Check the config (importing the modules the flow needs, while Prefect's server starts), then start Ray
+    here: its init must run in the main thread. A bad config fails before Ray starts. Returns the check's
+    exit code: 2 when the config is bad (its error printed), 0 when good."""
+    from components.training.cluster import ensure_ray
+    from flows._args import check_config
+
+    failed = check_config(args.config, args.overrides, args.debug)
+    if not failed:
+        ensure_ray()
+    return failed
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
@@ -29,15 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     parser, module, _, extra = COMMANDS[argv[0]]
     # --help, and options the command does not take, are answered here, before the flow's module imports
     # Prefect, Ray and torch; the flow parses the same arguments again with the same parser
-    parser().parse_args(argv[1:])
+    args = parser().parse_args(argv[1:])
     if argv[0] in RUN_FLOWS:  # Prefect's server comes up while the flow's modules are imported
         from components.services import start_prefect_server_early
 
         start_prefect_server_early()
-    if argv[0] in RUN_RAY:  # and Ray (its init must run in this, the main, thread): ~2 s of waiting on
-        from components.training.cluster import ensure_ray  # its processes while the server's thread imports
-
-        ensure_ray()
+    if argv[0] in RUN_RAY:
+        failed = start_ray_checking_config(args)
+        if failed:
+            return failed
     return importlib.import_module(module).main(extra + argv[1:])
 
 

@@ -341,12 +341,12 @@ def pipeline_problems(cfg: Config, needs_critic: bool) -> list[str]:
 
 def check_combinations(cfg: Config) -> None:
     """Raise one ConfigError listing every impossible combination in `cfg`."""
-    from components.plan import resolve_algorithm
+    from components.algorithms.presets import resolve
 
     problems: list[str] = path_problems(cfg)
     algo = None
     try:
-        algo = resolve_algorithm(cfg)
+        algo = resolve(cfg.algorithm)
     except KeyError as exc:
         problems.append(str(exc.args[0]))
     problems += engine_problems(cfg.engine.type)

@@ -49,12 +49,12 @@ def _preset_values(cfg: Config) -> dict[str, Any]:
     """The algorithm keys the preset fills in (unset in the config), at the values the run uses."""
     from dataclasses import asdict
 
-    from components.plan import resolve_algorithm
+    from components.algorithms.presets import resolve
 
     flat = flatten(cfg)
     return {
         f"algorithm.{k}": v
-        for k, v in asdict(resolve_algorithm(cfg)).items()
+        for k, v in asdict(resolve(cfg.algorithm)).items()
         if f"algorithm.{k}" in flat and flat[f"algorithm.{k}"] is None
     }
 
