@@ -154,14 +154,9 @@ def sample_ahead(run: Run) -> None:
         if it in have:
             continue
         rows = [run.train_rows[i] for i in run.sampler.next_indices()]
-        # (no Prefect timeout, 0: it cannot interrupt a worker thread; the Ray calls inside have theirs)
         with for_iteration(it):  # their runs are named after the iteration they sample for
-            gen = generate_rollouts.with_options(timeout_seconds=0).submit(
-                run.workers, rows, plan, it, run.version
-            )
-            reward = score_rewards.with_options(timeout_seconds=0).submit(
-                gen, run.tokenizer, plan, run.workers, run.scorers
-            )
+            gen = generate_rollouts.submit(run.workers, rows, plan, it, run.version)
+            reward = score_rewards.submit(gen, run.tokenizer, plan, run.workers, run.scorers)
         run.ahead.append(Ahead(it, gen, reward))
 
 
@@ -404,8 +399,7 @@ class StartingWorkers:
     @classmethod
     def submit(cls, plan: RunPlan) -> StartingWorkers:
         ensure_ray()  # here: Ray's init must run in the main thread; the actors start in the task's thread
-        # (no Prefect timeout, 0 (None keeps the task's): it cannot interrupt a thread; the Ray calls have theirs)
-        return cls(start_workers.with_options(timeout_seconds=0).submit(plan))
+        return cls(start_workers.submit(plan))
 
     def take(self) -> Workers:
         self.taken = True

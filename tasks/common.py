@@ -3,6 +3,7 @@ stage timeout, and `stage`, the decorator of the RL loop's tasks."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -32,11 +33,15 @@ class Stage(Task):
 
     def submit(self, *args: Any, return_state: bool = False, wait_for: Any = None, **kwargs: Any) -> Any:
         """The same, run in the flow's task runner (a future); an upstream future passed as an argument is
-        still resolved (its result, once it has one), the rest passed opaque."""
+        still resolved (its result, once it has one), the rest passed opaque. Without a Prefect timeout: it
+        cannot interrupt the runner's thread (and warns on every run); the Ray calls inside have theirs."""
         from prefect.futures import PrefectFuture
 
         wrap = lambda v: v if isinstance(v, PrefectFuture) else opaque(v)  # noqa: E731
-        return super().submit(
+        untimed = copy.copy(self)
+        untimed.timeout_seconds = None
+        return Task.submit(
+            untimed,
             *(wrap(a) for a in args),
             return_state=return_state,
             wait_for=wait_for,
