@@ -16,8 +16,7 @@ from components.algorithms.rollout_correction import correct_advantages
 from components.algorithms.shaping import informative_groups, kl_in_reward, overlong_penalty
 from components.batch import Batch
 from components.errors import RewardError
-from components.rollout.base import RolloutOutput
-from components.rollout.hf import left_pad
+from components.rollout.base import RolloutOutput, left_pad
 
 if TYPE_CHECKING:
     from components.algorithms.presets import ResolvedAlgorithm

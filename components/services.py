@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 from urllib.parse import urlparse
 
 from components.errors import ServiceError
@@ -84,41 +84,92 @@ def check_services(timeout_s: float = 15.0) -> None:
         (mlflow_problem, "MLFLOW_TRACKING_URI"),
         (prefect_problem, "PREFECT_API_URL"),
     ]
-    problems = [check(os.environ[name], timeout_s) for check, name in checks if os.environ.get(name)]
+    own = {"PREFECT_API_URL"} if own_prefect_server() else set()  # ours: prefect_server_started waits for it
+    problems = [
+        check(os.environ[name], timeout_s)
+        for check, name in checks
+        if os.environ.get(name) and name not in own
+    ]
     problems = [p for p in problems if p]
     if problems:
         raise ServiceError("\n  ".join(problems))
 
 
-_early_start: list[threading.Thread] = []
+# the Prefect API server this process started for itself (start_prefect_server_early): its process and URL
+_own_server: dict = {}
 
 
 def start_prefect_server_early() -> None:
-    """Start Prefect's in-process API server now, in a background thread, when the run will need it (no
-    PREFECT_API_URL). It is a subprocess that takes ~4 s to answer; started before this process imports
-    torch, transformers and MLflow (~7 s on 2 cores), it is up when the flow begins instead of after.
-    prefect_server_started() waits for it. Prefect keeps one such server per process: the flow finds it
-    running. A start that fails here is left to the flow, which starts it again and reports what fails."""
-    if os.environ.get("PREFECT_API_URL") or _early_start:
+    """Start Prefect's in-process API server now, as `reinforge` parses its command, when the run will need
+    it (no PREFECT_API_URL): the same uvicorn child Prefect's ephemeral mode starts, launched here without
+    importing Prefect's server package (~3 s of this process's time, which a thread would take from the
+    imports of torch, transformers and MLflow while they run). PREFECT_API_URL is set to it before Prefect
+    is imported, so the flow reports to it; it takes ~4 s to answer, which the imports hide.
+    prefect_server_started() waits for it; it is stopped when this process exits."""
+    import atexit
+    import importlib.util
+    import subprocess
+    import sys
+    import tempfile
+
+    if os.environ.get("PREFECT_API_URL") or _own_server:
         return
+    with socket.socket() as probe:  # a free port: the server binds it a moment later
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    package = Path(importlib.util.find_spec("prefect").origin).parent
+    said = tempfile.TemporaryFile()  # noqa: SIM115 - kept open for the server's life
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "--app-dir", str(package.parent), "--factory"]
+        + ["prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port)]
+        + ["--log-level", "error", "--lifespan", "on"],
+        env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=said,  # a file, not a pipe: a pipe nobody reads would stall the server once full
+    )
+    _own_server.update(proc=proc, url=f"http://127.0.0.1:{port}/api", said=said)
+    os.environ["PREFECT_API_URL"] = _own_server["url"]
+    atexit.register(_stop_own_server)
 
-    def start() -> None:
-        from prefect.server.api.server import SubprocessASGIServer
 
-        try:
-            SubprocessASGIServer().start()
-        except Exception:  # noqa: BLE001 - the flow's own start raises it, with Prefect's message
+def _stop_own_server() -> None:
+    proc = _own_server.get("proc")
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except Exception:  # noqa: BLE001 - a server that ignores SIGTERM is killed
+        proc.kill()
+
+
+def own_prefect_server() -> int | None:
+    """The pid of the Prefect server start_prefect_server_early started, if it did."""
+    proc = _own_server.get("proc")
+    return proc.pid if proc is not None else None
+
+
+def prefect_server_started(timeout_s: float = 60.0) -> None:
+    """Wait until start_prefect_server_early's server answers; at once when none was started early.
+    ServiceError with its last words when it exits or does not answer within timeout_s."""
+    import time
+
+    proc, url = _own_server.get("proc"), _own_server.get("url")
+    if proc is None or _own_server.get("up"):
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if _http(url + "/health", 1.0) is None:
+            _own_server["up"] = True
             return
-
-    _early_start.append(threading.Thread(target=start, name="prefect-server-start", daemon=True))
-    _early_start[0].start()
-
-
-def prefect_server_started() -> None:
-    """Wait until start_prefect_server_early's server answers (or its start failed); at once when none was
-    started early."""
-    for thread in _early_start:
-        thread.join()
+        time.sleep(0.05)
+    _stop_own_server()
+    _own_server["said"].seek(0)
+    said = _own_server["said"].read().decode(errors="replace").strip()
+    raise ServiceError(
+        f"Prefect's in-process API server did not start ({said.splitlines()[-1] if said else 'no answer'} "
+        f"within {timeout_s:g} s); see `prefect server start`, or set PREFECT_API_URL to a running server."
+    )
 
 
 def prefect_server_pid() -> int | None:
@@ -140,8 +191,9 @@ class PrefectWatch:
     server at PREFECT_API_URL (a quick health request). Checked at each iteration boundary."""
 
     def __init__(self, timeout_s: float = 5.0):
-        self.url = os.environ.get("PREFECT_API_URL")
-        self.pid = None if self.url else prefect_server_pid()
+        own = own_prefect_server()  # started by this process: watched as its child, like Prefect's own
+        self.url = None if own else os.environ.get("PREFECT_API_URL")
+        self.pid = own or (None if self.url else prefect_server_pid())
         self.timeout_s = timeout_s
 
     def problem(self) -> str | None:

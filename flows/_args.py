@@ -106,10 +106,10 @@ def run_cli(fn, *args, debug: bool = False, as_json: bool = False, **kwargs) -> 
     from components.shutdown import install_signal_handlers, wait_if_stopping
 
     install_signal_handlers()
-    prefect_server_started()  # when `reinforge` started it while the flow's modules were imported
     if not debug:
         quiet_user_errors()
     try:
+        prefect_server_started()  # when `reinforge` started it while the flow's modules were imported
         result = fn(*args, **kwargs)
     except ReinforgeError as exc:
         wait_if_stopping()

@@ -22,7 +22,7 @@ def start_ray_checking_config(args: argparse.Namespace) -> int:
 
     failed = check_config(args.config, args.overrides, args.debug)
     if not failed:
-        ensure_ray()
+        ensure_ray(warm_workers=True)  # one run per process: its actors take the warmed workers
     return failed
 
 

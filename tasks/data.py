@@ -15,9 +15,7 @@ from components.data.io import read_rows, to_plain, write_parquet
 from components.errors import ConfigError, DataError
 from components.lineage import verify_tracked
 from components.models.loading import load_image_encoder, load_tokenizer
-from components.models.multimodal import composed_image_tokens
 from components.models.tiny import build_char_tokenizer
-from components.models.vlm import with_image_token
 from components.stages import STAGES
 from tasks.caching import StageCache, cached_stage
 from tasks.common import logger, stage
@@ -53,6 +51,8 @@ def _tokenizer_of(source: tuple[str, str] | None, cfg: Config):
     """The tokenizer at `source`, or the one SFT will build: the tiny model's (with the tool-call tokens for
     multi-turn runs), or for a VLM that SFT composes, actor.model.text_model's; either with `<image>` added."""
     composing = cfg.actor.model.type == "multimodal" and source is None
+    if composing:  # the VLM modules import transformers' modeling code: text-only runs never load it
+        from components.models.vlm import with_image_token
     if source is None and composing and cfg.actor.model.text_model:
         source = ("actor.model.text_model", cfg.actor.model.text_model)
     if source is None:
@@ -70,6 +70,8 @@ def data_image_tokens(cfg: Config) -> int | None:
         return None
     source = tokenizer_source(cfg)
     if source is None:
+        from components.models.multimodal import composed_image_tokens
+
         return composed_image_tokens(cfg)
     key, path = source
     encoder = load_image_encoder(path, load_tokenizer(path, key), key)

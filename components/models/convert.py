@@ -34,7 +34,7 @@ def sharded_model_dir(path: str | Path) -> Path:
 def _auto_class(path: Path):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from components.models.vlm import is_vlm_dir
+    from components.models.loading import is_vlm_dir
 
     return AutoModelForImageTextToText if is_vlm_dir(path) else AutoModelForCausalLM
 

@@ -14,15 +14,18 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from components.errors import ConfigError, OutputError
 from components.models.lora import ADAPTER_WEIGHTS, adapter_base, is_adapter_dir, load_merged
-from components.models.vlm import is_vlm_dir, load_processor, processor_image_tokens
 from components.outputs import MODEL, marker_kind, write_marker
+
+if TYPE_CHECKING:  # transformers' modeling code is imported by load_model only (~4 s): drivers never need it
+    from transformers import PreTrainedModel
 
 hf_logging.disable_progress_bar()  # no per-load bars in pipeline logs
 
@@ -160,6 +163,8 @@ def load_model(
 
         auto = AutoModelForImageTextToText
     else:
+        from transformers import AutoModelForCausalLM
+
         auto = AutoModelForCausalLM
     return auto.from_pretrained(
         p,
@@ -205,11 +210,36 @@ def save_pretrained(
     return out
 
 
+def image_token_id(model) -> int | None:
+    """The token a VLM's prompts carry images with (None for a text model). It is never sampled: the policy's
+    distribution leaves it out, in the engine and in the trainer's log-probs alike (an `<image>` in a response
+    would ask the model's forward for an image that is not there)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "vision_config", None) is None:
+        return None
+    found = getattr(config, "image_token_id", None)
+    return found if found is not None else getattr(config, "image_token_index", None)
+
+
+def is_vlm_dir(path) -> bool:
+    """Whether the model directory holds a vision-language model (its config names a vision config)."""
+    import json
+    from pathlib import Path
+
+    config = Path(path) / "config.json"
+    try:
+        return "vision_config" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def load_image_encoder(path: str | Path, tokenizer, key: str = "actor.model.path"):
     """The ImageEncoder of a vision-language model directory (components.data.images), None for a text model."""
     from components.data.images import ImageEncoder
 
     if not is_vlm_dir(path):
         return None
+    from components.models.vlm import load_processor, processor_image_tokens
+
     processor = load_processor(path, tokenizer, key)
     return ImageEncoder(processor, processor_image_tokens(processor))

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 from components.errors import ConfigError
-from components.models.vlm import TINY_PATCH, VLMConfig, image_grid, make_processor
 
 
 def _vision_config(path: str) -> dict:
@@ -20,6 +19,8 @@ def _vision_config(path: str) -> dict:
 
 def native_grid(cfg) -> int:
     """Patches a side of the vision encoder's output for data.image_processor.size images."""
+    from components.models.vlm import TINY_PATCH  # transformers' modeling code
+
     m, size = cfg.actor.model, cfg.data.image_processor.size
     if not m.vision_model:
         return max(1, size // TINY_PATCH)
@@ -30,6 +31,8 @@ def native_grid(cfg) -> int:
 def composed_image_tokens(cfg) -> int:
     """Tokens one image takes in the prompt of the composed model: the pooled grid (projector), whose side
     keeps it within actor.model.vision_token_ratio of max_seq_len, or one marker token (cross_attention)."""
+    from components.models.vlm import image_grid  # transformers' modeling code
+
     m = cfg.actor.model
     if m.fusion_method != "projector":
         return 1
@@ -44,6 +47,8 @@ def engine_problems(engine_type: str, policy_path: str) -> list[str]:
     """Whether the rollout engine can sample this VLM: the hf engine runs any; vLLM and SGLang run the
     architectures they implement (LLaVA, Qwen2-VL, ...), never reinforge's own composed class, which is what
     multimodal SFT writes, so they need actor.model.path on a directory of such a model."""
+    from components.models.vlm import VLMConfig  # transformers' modeling code
+
     if engine_type == "hf":
         return []
     if engine_type not in IMAGE_ENGINES:
@@ -61,8 +66,6 @@ def engine_problems(engine_type: str, policy_path: str) -> list[str]:
 
 def vision_problems(cfg) -> list[str]:
     """What a multimodal config gets wrong before anything runs, each with its fix."""
-    from components.models.loading import check_model_dir
-
     m, problems = cfg.actor.model, []
     if m.type != "multimodal":
         if cfg.data.task == "visual_count" or cfg.data.llava_path:
@@ -71,6 +74,8 @@ def vision_problems(cfg) -> list[str]:
                 "is a text-only model; set actor.model.type=multimodal."
             )
         return problems
+    from components.models.loading import check_model_dir  # torch and transformers: multimodal configs only
+
     for key in ("text_model", "vision_model"):
         path = getattr(m, key)
         if path:
@@ -107,7 +112,14 @@ def compose_policy(cfg, tokenizer, seed: int):
 
     from components.models.loading import load_model
     from components.models.tiny import tiny_model_for
-    from components.models.vlm import IMAGE_TOKEN, compose, tiny_vision_encoder
+    from components.models.vlm import (  # transformers' modeling code
+        IMAGE_TOKEN,
+        TINY_PATCH,
+        compose,
+        image_grid,
+        make_processor,
+        tiny_vision_encoder,
+    )
 
     m, s, ip = cfg.actor.model, cfg.sft, cfg.data.image_processor
     if m.text_model:

@@ -7,10 +7,14 @@ model is initialised from a seed.
 from __future__ import annotations
 
 import string
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    from transformers import Qwen2ForCausalLM
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 # hermes-style tool-call markers, one token each (as in Qwen2.5's vocabulary), for multi-turn rollouts
@@ -67,6 +71,8 @@ def build_tiny_model(
     seed: int,
 ) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2ForCausalLM sized for a 2-core CPU. Seeded: same args, same weights."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # modeling code: only where a model is built
+
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

@@ -242,17 +242,6 @@ AutoConfig.register(VLMConfig.model_type, VLMConfig)
 AutoModelForImageTextToText.register(VLMConfig, VisionLanguageModel)
 
 
-def image_token_id(model) -> int | None:
-    """The token a VLM's prompts carry images with (None for a text model). It is never sampled: the policy's
-    distribution leaves it out, in the engine and in the trainer's log-probs alike (an `<image>` in a response
-    would ask the model's forward for an image that is not there)."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "vision_config", None) is None:
-        return None
-    found = getattr(config, "image_token_id", None)
-    return found if found is not None else getattr(config, "image_token_index", None)
-
-
 def vision_parameter(name: str) -> bool:
     """Whether a parameter (by its name in the model) belongs to the vision tower."""
     return name.startswith(VISION_PREFIXES) or ".vision_tower." in name or ".visual." in name
@@ -360,18 +349,6 @@ def with_image_token(tokenizer):
     if IMAGE_TOKEN not in tokenizer.get_vocab():
         tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     return tokenizer
-
-
-def is_vlm_dir(path) -> bool:
-    """Whether the model directory holds a vision-language model (its config names a vision config)."""
-    import json
-    from pathlib import Path
-
-    config = Path(path) / "config.json"
-    try:
-        return "vision_config" in json.loads(config.read_text())
-    except (OSError, ValueError):
-        return False
 
 
 # VLMs whose processors cut each image into a variable patch grid with 3-D rotary positions

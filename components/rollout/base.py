@@ -72,6 +72,18 @@ class RolloutEngine(Protocol):
         """Load new policy weights; `version` must grow, so a stale engine is never sampled."""
 
 
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) ids and attention mask, left-padded so every prompt ends at the last column."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
 def check_newer(current: int, version: int) -> None:
     """Weights only move forward: loading an older version than the engine holds is refused.
 

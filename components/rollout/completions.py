@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from components.errors import ConfigError
-from components.rollout.base import RolloutOutput
+
+if TYPE_CHECKING:  # torch: imported where outputs are built, so config checks run without it
+    from components.rollout.base import RolloutOutput
 
 GPU_EXTRA = "pip install 'reinforge[gpu]'"
 # engine.type -> (python module, install command); the hf engine ships with the core install.
@@ -78,6 +79,8 @@ def engine_problems(
             f"`{install}`, or set engine.type=hf."
         )
     if cuda_available is None:
+        import torch
+
         cuda_available = torch.cuda.is_available()
     if not cuda_available and not (has_cpu_build(engine_type) if cpu_build is None else cpu_build):
         cpu = (
@@ -140,6 +143,10 @@ def to_rollout_output(
         end = next((k + 1 for k, t in enumerate(ids) if t in stops), len(ids))
         end = min(end, max_new_tokens)
         cut.append((list(ids[:end]), [float(x) for x in logps[:end]]))
+    import torch
+
+    from components.rollout.base import RolloutOutput
+
     width = max(1, max(len(ids) for ids, _ in cut))
     responses = torch.full((len(cut), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(cut), width), dtype=torch.long)

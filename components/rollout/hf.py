@@ -2,30 +2,22 @@
 
 from __future__ import annotations
 
-import torch
-from transformers import DynamicCache, PreTrainedModel
+from typing import TYPE_CHECKING
 
+import torch
+
+from components.models.loading import image_token_id
 from components.models.lora import is_lora
-from components.models.vlm import image_token_id
-from components.rollout.base import PromptImages, RolloutOutput, SamplingParams, check_newer
+from components.rollout.base import PromptImages, RolloutOutput, SamplingParams, check_newer, left_pad
 from components.rollout.fast_decode import LeanDecoder, prefill_mask, unsupported_reason
 from components.rollout.sampling import sample_tokens
+
+if TYPE_CHECKING:  # transformers' modeling code: imported where a model is built, not here
+    from transformers import PreTrainedModel
 
 COMPACT_FRACTION = (
     0.25  # the lean loop drops finished rows once this fraction of the active ones has finished
 )
-
-
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, P) ids and attention mask, left-padded so every prompt ends at the last column."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s) :] = 1
-    return ids, mask
 
 
 class HFEngine:
@@ -157,6 +149,8 @@ class _HFSteps:
         self, model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, pixel_values: torch.Tensor | None
     ):
         self.model, self.mask = model, mask
+        from transformers import DynamicCache
+
         self.cache = {cache_kwarg(model): DynamicCache()}
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         images = {"pixel_values": pixel_values} if pixel_values is not None else {}

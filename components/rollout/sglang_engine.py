@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from components.models.vlm import is_vlm_dir
+from components.models.loading import is_vlm_dir
 from components.rollout.base import PromptImages, RolloutOutput, SamplingParams, check_newer
 from components.rollout.completions import (
     EngineOptions,

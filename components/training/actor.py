@@ -7,9 +7,9 @@ aggregated with the same mode and the counts of the whole mini-batch (see compon
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from components.algorithms.losses import POLICY_LOSSES, AggParams, PolicyLossParams, agg_loss, kl_penalty
 from components.batch import Batch
@@ -22,6 +22,9 @@ from components.training.logprobs import (
     vision_inputs,
 )
 from components.training.loop import LoopSettings, minibatch_update, row_chunks
+
+if TYPE_CHECKING:  # transformers' modeling code: imported where a model is built, not here
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)

@@ -3,17 +3,20 @@ with the clipped value loss, for PPO with GAE."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PreTrainedModel
 
 from components.algorithms.losses import AggParams, value_loss
 from components.batch import Batch
-from components.models.loading import load_model
+from components.models.loading import image_token_id, load_model
 from components.models.lora import LoraSettings, apply_lora
-from components.models.vlm import image_token_id
 from components.training.distributed import Comm
 from components.training.logprobs import response_attention, sequence_inputs
 from components.training.loop import LoopSettings, minibatch_update, row_chunks
+
+if TYPE_CHECKING:  # transformers' modeling code: imported where a model is built, not here
+    from transformers import PreTrainedModel
 
 
 class ValueModel(torch.nn.Module):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-import torch
-from transformers import PreTrainedModel
+from typing import TYPE_CHECKING
 
-from components.models.vlm import image_token_id
+import torch
+
+from components.models.loading import image_token_id
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def sequence_inputs(
@@ -105,7 +109,7 @@ def batch_logprobs(
 def engine_logprob_gaps(model: PreTrainedModel, prompts: list[list[int]], out, pad_id: int) -> torch.Tensor:
     """|engine log-prob - the model's forward log-prob| of every sampled token (1-D, masked tokens only): how
     closely a rollout engine's `out` (RolloutOutput, rows i*n + j = sample j of prompt i) follows `model`."""
-    from components.rollout.hf import left_pad
+    from components.rollout.base import left_pad
 
     n = len(out.responses) // len(prompts)
     prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_id)

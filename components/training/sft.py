@@ -5,11 +5,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from components.data.prompts import PromptSettings, encode_prompt
+
+if TYPE_CHECKING:  # transformers' modeling code: imported where a model is built, not here
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # a tool's output inside an answer (multi-turn trajectories): seen by the model, never a training target
 _TOOL_OUTPUT = re.compile(r"(<tool_response>.*?</tool_response>)", re.S)

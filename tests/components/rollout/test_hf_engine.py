@@ -34,7 +34,7 @@ def test_greedy_is_deterministic_and_shapes(engine):
 
 
 def test_logprobs_match_a_fresh_forward_pass(engine):
-    from components.rollout.hf import left_pad
+    from components.rollout.base import left_pad
 
     p = SamplingParams(n=2, temperature=0.8, max_new_tokens=6)
     out = engine.generate(PROMPTS, p, 3)
