@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from components.errors import ConfigError
-from components.rollout.completions import engine_problems
+from components.rollout.completions import ADAPTER_ENGINES, LORA_RANKS, engine_problems
 
 if TYPE_CHECKING:
     from components.config.schema import Config
@@ -197,10 +197,16 @@ def lora_config_problems(cfg: Config) -> list[str]:
                 f"actor.lora.quantization={lora.quantization}: a quantized base (QLoRA) needs bitsandbytes on a "
                 f"CUDA GPU, and {why}; set actor.lora.quantization=none on this machine."
             )
-    if cfg.engine.type != "hf" and not cfg.engine.lora_merge_on_sync:
+    if cfg.engine.type not in ADAPTER_ENGINES and not cfg.engine.lora_merge_on_sync:
         problems.append(
             f"actor.lora.rank={lora.rank} with engine.type={cfg.engine.type}: this version sends adapters alone "
-            "only to the hf engine; set engine.lora_merge_on_sync=true (merged full weights after each update)."
+            f"only to the {' and '.join(ADAPTER_ENGINES)} engines; set engine.lora_merge_on_sync=true (merged "
+            "full weights after each update)."
+        )
+    if cfg.engine.type == "vllm" and not cfg.engine.lora_merge_on_sync and lora.rank > LORA_RANKS[-1]:
+        problems.append(
+            f"actor.lora.rank={lora.rank}: vLLM takes adapters of rank {LORA_RANKS[-1]} at most; lower it, or "
+            "set engine.lora_merge_on_sync=true."
         )
     problems += lora_limits(cfg, "actor.lora", lora.rank)
     from components.models.lora import LoraSettings, lora_problems

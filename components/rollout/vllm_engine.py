@@ -1,5 +1,9 @@
 """The `vllm` engine: vLLM's offline `LLM` on token ids, with in-place weight updates and sleep/wake.
 
+With LoRA (actor.lora.rank > 0, engine.lora_merge_on_sync false) it holds the base model and receives the
+adapters alone: each update is written as a peft adapter directory and sampled through vLLM's LoRA request
+path under a new adapter id (the weights version), so no request ever mixes two versions' adapters.
+
 Imported only when engine.type=vllm; `pip install 'reinforge[gpu]'` installs vLLM. The engine runs inside the
 rollout worker's Ray actor (one per `engine.num_engines`), with `engine.tensor_parallel_size` GPUs each.
 """
@@ -7,6 +11,9 @@ rollout worker's Ray actor (one per `engine.num_engines`), with `engine.tensor_p
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -14,6 +21,7 @@ from components.rollout.base import PromptImages, RolloutOutput, SamplingParams,
 from components.rollout.completions import (
     EngineOptions,
     context_length,
+    lora_slots,
     request_completions,
     require,
     to_rollout_output,
@@ -76,6 +84,9 @@ class VLLMEngine:
 
         # vLLM's CPU build cannot rewind a seeded request's generator when its prefill is split across steps
         cpu = {"enable_chunked_prefill": False} if current_platform.is_cpu() else {}
+        self.path, self.lora, self.lora_request, self.adapter_dirs = path, None, None, []
+        if options.lora_rank:  # one adapter at a time: the policy's current version
+            cpu |= {"enable_lora": True, "max_lora_rank": lora_slots(options.lora_rank), "max_loras": 1}
         self.llm = vllm.LLM(
             model=path,
             tokenizer=path,
@@ -93,6 +104,17 @@ class VLLMEngine:
         )
         self._vllm = vllm
 
+    def use_adapters(self, s) -> None:
+        """Hold the policy's LoRA adapters (components/models/lora.LoraSettings) over the base model: each
+        update_weights then carries the adapters alone. The engine must have been built with their rank
+        (EngineOptions.lora_rank, from actor.lora.rank)."""
+        if not self.options.lora_rank or lora_slots(s.rank) > lora_slots(self.options.lora_rank):
+            raise ValueError(
+                f"the vllm engine was built for adapters of rank {self.options.lora_rank}, not {s.rank}: "
+                "build it with EngineOptions(lora_rank=actor.lora.rank)"
+            )
+        self.lora = s
+
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, seed: int, images: PromptImages | None = None
     ) -> RolloutOutput:
@@ -100,7 +122,7 @@ class VLLMEngine:
 
         sp = self._vllm.SamplingParams(**sampling_kwargs(params, seed))
         requests = [TokensPrompt(**r) for r in token_prompts(prompts, images)]
-        outs = self.llm.generate(requests, sp, use_tqdm=False)
+        outs = self.llm.generate(requests, sp, use_tqdm=False, lora_request=self.lora_request)
         return to_rollout_output(
             completions(outs),
             {self.eos_id, *params.stop_token_ids},
@@ -111,6 +133,9 @@ class VLLMEngine:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         check_newer(self.weights_version, version)
+        if self.lora is not None:
+            self._load_adapters(state_dict, version)
+            return
         # vLLM's in-place reload takes checkpoint-format names and tensors and redoes whatever its kernels did to
         # them after loading (repacking, fusing); the engine core runs in this process, so nothing is pickled
         self.llm.collective_rpc(
@@ -119,6 +144,35 @@ class VLLMEngine:
         )
         self.llm.reset_prefix_cache()
         self.weights_version = version
+
+    def _load_adapters(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """The adapters of weights `version` as a peft adapter directory, sampled from the next request on under
+        adapter id `version` (vLLM loads it then; a new id, so no cached adapter or prefix of an older version
+        is reused). The directory of the version before is removed once this one replaces it."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        from components.models.lora import ADAPTER_WEIGHTS
+
+        out = Path(tempfile.mkdtemp(prefix=f"reinforge_adapter_v{version}_"))
+        self.lora.peft_config(self.path).save_pretrained(out)
+        save_file({k: v.contiguous() for k, v in state.items()}, out / ADAPTER_WEIGHTS)
+        self.lora_request = LoRARequest(f"policy-v{version}", version, str(out))
+        self.llm.reset_prefix_cache()
+        self.adapter_dirs.append(out)
+        while len(self.adapter_dirs) > 2:  # the one in use and the one before it (vLLM may still hold it)
+            shutil.rmtree(self.adapter_dirs.pop(0), ignore_errors=True)
+        self.weights_version = version
+
+    def close(self) -> None:
+        """Stop the engine core and free its KV cache (host memory on vLLM's CPU build) and adapter files."""
+        import gc
+
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+        for d in self.adapter_dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
     def sleep(self) -> None:
         """Free the KV cache (and offload the weights) while the policy trains on the same GPU."""

@@ -291,7 +291,7 @@ def test_vllm_engine_for_real_where_it_runs(vllm_ready, tmp_path, tokenizer):
         str(path),
         tokenizer.eos_token_id,
         tokenizer.pad_token_id,
-        EngineOptions(dtype="float32", max_model_len=4096, enforce_eager=True),
+        EngineOptions(dtype="float32", max_model_len=4096, enforce_eager=True, gpu_memory_utilization=0.05),
     )
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
 
@@ -309,3 +309,57 @@ def test_vllm_engine_for_real_where_it_runs(vllm_ready, tmp_path, tokenizer):
     after = engine.generate(ids, params, seed=5)
     assert after.weights_version == 1 and not torch.equal(after.responses, first.responses)
     assert gap(after) < 1e-4
+    engine.close()  # its KV cache is host memory on vLLM's CPU build: the next test's engine needs it
+
+
+def test_vllm_takes_the_adapters_alone_and_samples_as_the_trainer(vllm_ready, tmp_path, tokenizer):
+    """LoRA with vLLM (engine.lora_merge_on_sync false): the engine holds the base model and receives only the
+    adapter tensors after each update; its log-probs are then the adapted policy's, under a new adapter id
+    per version, and the base weights it holds never change."""
+    from components.data.prompts import PromptSettings, encode_prompts
+    from components.models import build_tiny_model, save_pretrained
+    from components.models.lora import LoraSettings, adapter_state, apply_lora
+    from components.rollout.completions import EngineOptions
+    from components.training.logprobs import engine_logprob_gaps
+
+    base = build_tiny_model(
+        tokenizer, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_positions=256, seed=0
+    )
+    path = save_pretrained(base, tokenizer, tmp_path / "tiny")
+    lora = LoraSettings(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj", "up_proj", "down_proj"))
+    policy = apply_lora(base, lora, str(path)).eval()
+    ids = encode_prompts(
+        tokenizer, [[{"role": "user", "content": f"{a}+{a}="}] for a in range(6)], PromptSettings()
+    )
+    engine = make_engine(
+        "vllm",
+        str(path),
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        EngineOptions(
+            dtype="float32",
+            max_model_len=4096,
+            enforce_eager=True,
+            gpu_memory_utilization=0.05,
+            lora_rank=lora.rank,
+        ),
+    )
+    engine.use_adapters(lora)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
+    before = engine.generate(ids, params, seed=5)
+    gen = torch.Generator().manual_seed(1)
+    for version in (1, 2):  # two updates of the adapters alone, as training sends them
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_B" in name or "lora_A" in name:
+                    p.add_(0.5 * torch.randn(p.shape, generator=gen))
+        sent = adapter_state(policy)
+        assert sent and all("lora_" in k for k in sent)  # nothing of the base travels
+        engine.update_weights(sent, version)
+        out = engine.generate(ids, params, seed=5)
+        assert out.weights_version == version and engine.lora_request.lora_int_id == version
+        assert float(engine_logprob_gaps(policy, ids, out, tokenizer.pad_token_id).max()) < 1e-4
+    assert not torch.equal(out.responses, before.responses)
+    with policy.disable_adapter():  # the base the engine holds is the saved one, untouched
+        assert float(engine_logprob_gaps(policy, ids, before, tokenizer.pad_token_id).max()) < 1e-4
+    engine.close()
