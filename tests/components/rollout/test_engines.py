@@ -271,13 +271,13 @@ def vllm_ready():
         pytest.skip("; ".join(engine_problems("vllm")))
 
 
-def test_vllm_engine_for_real_where_it_runs(vllm_ready, tmp_path, tokenizer):
-    """The real vLLM behind our adapter: its log-probs are the policy's own (fp32 forward of the same tokens),
-    a seed repeats its samples, and after update_weights both samples and log-probs follow the new weights."""
+def tiny_vllm(tmp_path, tokenizer, lora_rank: int = 0):
+    """A tiny Qwen2 saved under tmp_path, six arithmetic prompts and a vllm engine over the model, with LoRA
+    slots of `lora_rank`. 5 % of host RAM for its KV cache: on vLLM's CPU build that fraction is reserved, and
+    the 0.5 default leaves no room for the next test's engine."""
     from components.data.prompts import PromptSettings, encode_prompts
     from components.models import build_tiny_model, save_pretrained
     from components.rollout.completions import EngineOptions
-    from components.training.logprobs import engine_logprob_gaps
 
     policy = build_tiny_model(
         tokenizer, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_positions=256, seed=0
@@ -286,13 +286,23 @@ def test_vllm_engine_for_real_where_it_runs(vllm_ready, tmp_path, tokenizer):
     ids = encode_prompts(
         tokenizer, [[{"role": "user", "content": f"{a}+{a}="}] for a in range(6)], PromptSettings()
     )
-    engine = make_engine(
-        "vllm",
-        str(path),
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-        EngineOptions(dtype="float32", max_model_len=4096, enforce_eager=True, gpu_memory_utilization=0.05),
+    options = EngineOptions(
+        dtype="float32",
+        max_model_len=4096,
+        enforce_eager=True,
+        gpu_memory_utilization=0.05,
+        lora_rank=lora_rank,
     )
+    engine = make_engine("vllm", str(path), tokenizer.eos_token_id, tokenizer.pad_token_id, options)
+    return policy, path, ids, engine
+
+
+def test_vllm_engine_for_real_where_it_runs(vllm_ready, tmp_path, tokenizer):
+    """The real vLLM behind our adapter: its log-probs are the policy's own (fp32 forward of the same tokens),
+    a seed repeats its samples, and after update_weights both samples and log-probs follow the new weights."""
+    from components.training.logprobs import engine_logprob_gaps
+
+    policy, _, ids, engine = tiny_vllm(tmp_path, tokenizer)
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
 
     def gap(out) -> float:
@@ -316,34 +326,12 @@ def test_vllm_takes_the_adapters_alone_and_samples_as_the_trainer(vllm_ready, tm
     """LoRA with vLLM (engine.lora_merge_on_sync false): the engine holds the base model and receives only the
     adapter tensors after each update; its log-probs are then the adapted policy's, under a new adapter id
     per version, and the base weights it holds never change."""
-    from components.data.prompts import PromptSettings, encode_prompts
-    from components.models import build_tiny_model, save_pretrained
     from components.models.lora import LoraSettings, adapter_state, apply_lora
-    from components.rollout.completions import EngineOptions
     from components.training.logprobs import engine_logprob_gaps
 
-    base = build_tiny_model(
-        tokenizer, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_positions=256, seed=0
-    )
-    path = save_pretrained(base, tokenizer, tmp_path / "tiny")
     lora = LoraSettings(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj", "up_proj", "down_proj"))
+    base, path, ids, engine = tiny_vllm(tmp_path, tokenizer, lora_rank=lora.rank)
     policy = apply_lora(base, lora, str(path)).eval()
-    ids = encode_prompts(
-        tokenizer, [[{"role": "user", "content": f"{a}+{a}="}] for a in range(6)], PromptSettings()
-    )
-    engine = make_engine(
-        "vllm",
-        str(path),
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-        EngineOptions(
-            dtype="float32",
-            max_model_len=4096,
-            enforce_eager=True,
-            gpu_memory_utilization=0.05,
-            lora_rank=lora.rank,
-        ),
-    )
     engine.use_adapters(lora)
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
     before = engine.generate(ids, params, seed=5)
