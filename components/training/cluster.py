@@ -18,6 +18,10 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # transformers' modeling code, which they import lazily when they build the model
 WORKER_MODULES = ["components.training.ray_workers", "transformers.modeling_utils"]
 WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+# how many: the policy worker and the reward scorer of a one-worker run. Ray would otherwise prestart one per
+# core (64 on a large node, each importing torch, with the driver's registration waiting for them); its
+# idle-worker soft limit caps the prestart
+WARM_WORKERS = 2
 
 
 def ensure_ray(warm_workers: bool = False) -> None:
@@ -26,7 +30,7 @@ def ensure_ray(warm_workers: bool = False) -> None:
     itself) may have replaced them.
 
     `warm_workers` (a process that runs one training run, started by `reinforge`): the local instance starts
-    two idle worker processes at once, which import WORKER_MODULES while this process still imports the
+    WARM_WORKERS idle worker processes at once, which import WORKER_MODULES while this process still imports the
     flow's; the run's first actors take them and start in ~0.3 s instead of ~5 s. Every later worker process
     imports them too, so a long-lived process (the tests) leaves this off."""
     if ray.is_initialized():
@@ -43,8 +47,8 @@ def ensure_ray(warm_workers: bool = False) -> None:
         # logical CPUs beyond the cores, so a few policy workers and the rollout worker fit on a small machine
         # (each runs trainer.num_threads threads); "local": a new instance even when `ray start` left its address;
         # no idle workers started ahead unless warm_workers (each is a Python process of ~80 MB, ~500 MB
-        # once warmed, that a run may never use). Token authentication stays on (Ray's default for a local instance),
-        # without the notice Ray prints about it on every run
+        # once warmed, that a run may never use). Token authentication stays on (Ray's default for a local
+        # instance), without the notice Ray prints about it on every run
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         ray.init(
             address="local",
@@ -54,9 +58,13 @@ def ensure_ray(warm_workers: bool = False) -> None:
             configure_logging=False,
             _system_config={
                 "enable_worker_prestart": False,
-                "prestart_worker_first_driver": warm_workers,  # as many as the machine's cores, at most
+                "prestart_worker_first_driver": warm_workers,
                 "worker_niceness": 0,
             }
-            | ({"preload_python_modules": WORKER_MODULES} if warm_workers else {}),
+            | (
+                {"preload_python_modules": WORKER_MODULES, "num_workers_soft_limit": WARM_WORKERS}
+                if warm_workers
+                else {}
+            ),
         )
     reclaim_signals()
