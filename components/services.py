@@ -126,10 +126,23 @@ def start_prefect_server_early() -> None:
         env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1"},
         stdout=subprocess.DEVNULL,
         stderr=said,  # a file, not a pipe: a pipe nobody reads would stall the server once full
+        preexec_fn=_stop_with_parent,  # no threads yet: `reinforge` calls this before Ray or Prefect start
     )
     _own_server.update(proc=proc, url=f"http://127.0.0.1:{port}/api", said=said)
     os.environ["PREFECT_API_URL"] = _own_server["url"]
     atexit.register(_stop_own_server)
+
+
+def _stop_with_parent() -> None:
+    """In the server's process before it runs: Linux sends it SIGTERM when this process dies, even by SIGKILL,
+    which skips atexit (PR_SET_PDEATHSIG); elsewhere the atexit stop alone."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _stop_own_server() -> None:
