@@ -203,7 +203,7 @@ class PrefectWatch:
     """Whether the Prefect server this run reports to still answers: the in-process server's process, or the
     server at PREFECT_API_URL (a quick health request). Checked at each iteration boundary."""
 
-    def __init__(self, timeout_s: float = 5.0):
+    def __init__(self, timeout_s: float = 15.0):  # a busy server answers late; a dead one refuses at once
         own = own_prefect_server()  # started by this process: watched as its child, like Prefect's own
         self.url = None if own else os.environ.get("PREFECT_API_URL")
         self.pid = own or (None if self.url else prefect_server_pid())
