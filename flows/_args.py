@@ -10,7 +10,7 @@ import sys
 import traceback
 
 from components.errors import ReinforgeError
-from components.services import check_services, prefect_server_started
+from components.services import check_services, prefect_server_pid, prefect_server_started
 
 SERVER_NICE_ENV = "REINFORGE_PREFECT_SERVER_NICE"  # niceness of Prefect's in-process server; 0 = leave it
 
@@ -27,16 +27,16 @@ def yield_prefect_server(niceness: int | None = None) -> int | None:
     niceness = int(os.environ.get(SERVER_NICE_ENV, "19")) if niceness is None else niceness
     if niceness <= 0:
         return None
-    for child in psutil.Process().children():
-        try:
-            cmd = " ".join(child.cmdline())
-            if "uvicorn" in cmd and "prefect" in cmd:
-                if child.nice() < niceness:
-                    child.nice(niceness)
-                return child.pid
-        except psutil.Error:  # gone, or not ours to change
-            continue
-    return None
+    pid = prefect_server_pid()
+    if pid is None:
+        return None
+    try:
+        server = psutil.Process(pid)
+        if server.nice() < niceness:
+            server.nice(niceness)
+    except psutil.Error:  # gone, or not ours to change
+        return None
+    return pid
 
 
 def report(exc: ReinforgeError, debug: bool = False) -> int:
