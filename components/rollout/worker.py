@@ -42,10 +42,13 @@ class RolloutWorker:
         model=None,
         multi_turn: MultiTurnSettings | None = None,
         prompts: PromptSettings | None = None,
+        lora: LoraSettings | None = None,
     ):
         """`model`: sample with this module (a colocated policy's own) instead of loading a copy.
         `multi_turn`: samples may call tools between turns (components/rollout/multi_turn.py). `prompts`: how a
-        row's prompt becomes token ids (data.apply_chat_template), the same as in SFT."""
+        row's prompt becomes token ids (data.apply_chat_template), the same as in SFT. `lora`: the policy's
+        adapters, which a copy of its own holds over the base and receives alone (set here, in the
+        constructor, so an actor Ray restarts holds them again)."""
         torch.set_num_threads(num_threads)
         self.tokenizer = load_tokenizer(model_path, key)
         self.images = load_image_encoder(model_path, self.tokenizer, key)  # None for a text-only policy
@@ -65,10 +68,12 @@ class RolloutWorker:
             if multi_turn
             else {}
         )
+        if lora is not None and model is None:  # a colocated engine samples with the policy's own adapters
+            self.engine.use_adapters(lora)
 
     @classmethod
     def from_settings(cls, s: RolloutSettings, model=None, key: str = "actor.model.path") -> RolloutWorker:
-        worker = cls(
+        return cls(
             s.model_path,
             s.engine_type,
             s.options,
@@ -77,10 +82,8 @@ class RolloutWorker:
             model=model,
             multi_turn=s.multi_turn,
             prompts=s.prompts,
+            lora=s.lora,
         )
-        if s.lora is not None and model is None:  # its own copy: the policy's adapters over the same base
-            worker.engine.use_adapters(s.lora)
-        return worker
 
     def pid(self) -> int:
         return os.getpid()

@@ -398,6 +398,7 @@ def start_engine(settings: RolloutSettings, placement: Placement):
         settings.num_threads,
         multi_turn=settings.multi_turn,
         prompts=settings.prompts,
+        lora=settings.lora,  # without it, the engine would get adapter tensors for a model that has none
     )
 
 

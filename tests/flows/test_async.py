@@ -113,3 +113,16 @@ def test_a_one_step_off_run_that_fails_resumes_to_the_uninterrupted_model(start,
     resumed = train(start, "failed", "trainer.async_mode=one_step_off")
     assert history(resumed, "critic/score/mean") == history(one_step_off, "critic/score/mean")
     assert same_model(one_step_off, resumed)
+
+
+def test_lora_adapters_reach_an_engine_of_its_own(start):
+    # the engine in its own actor holds the same adapters over the base and receives them alone after each
+    # update: its rollout log-probs then equal the trainer's old log-probs (both float32 on the hf engine),
+    # so every importance weight is 1. Adapters that never reached it would give weights far from 1 once the
+    # first update moved them (weight_mean 0.994 at iteration 2, checked by skipping the engine's load)
+    info = train(
+        start, "lora_separate", "actor.lora.rank=8", "actor.lora.alpha=16", "actor.optimizer.lr=1e-2"
+    )
+    assert len(history(info, "critic/score/mean")) == ITERATIONS
+    for key in ("rollout_corr/weight_mean", "rollout_corr/weight_max"):
+        assert history(info, key) == pytest.approx([1.0] * ITERATIONS, abs=1e-4)
