@@ -150,7 +150,7 @@ def child_ours(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> 
     names = [
         k
         for k in client.get_run(info["run_id"]).data.metrics
-        if k.startswith(("timing_s/", "perf/")) or k in ("critic/score/mean", "response_length/mean")
+        if k.startswith(("timing_s/", "perf/")) or k in ("critic/score/mean", "response_length/mean", *ASYNC)
     ]
     hist = {m: {x.step: x for x in client.get_metric_history(info["run_id"], m)} for m in names}
     ends = {s: x.timestamp / 1000 for s, x in hist["critic/score/mean"].items()}
@@ -158,7 +158,7 @@ def child_ours(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> 
     stages = {
         k: statistics.median(h[s].value for s in range(2, steps) if s in h)
         for k, h in hist.items()
-        if k.startswith(("timing_s/", "perf/")) and any(s in h for s in range(2, steps))
+        if (k.startswith(("timing_s/", "perf/")) or k in ASYNC) and any(s in h for s in range(2, steps))
     }
     rows = spec["prompts"] * spec["n"]
     return {
@@ -283,6 +283,23 @@ def child_trl(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> d
     }
 
 
+# the asynchronous modes' per-step figures the report gives beside the stages
+ASYNC = ("async/staleness/mean", "async/staleness/max", "async/partial_samples")
+
+
+def stage_table(results: list[dict], keys: list[str]) -> list[str]:
+    """A markdown table of our runs' per-step medians of `keys`, one row per workload, beta and mode."""
+    lines = ["| workload | beta | mode | " + " | ".join(keys) + " |", "|---|---|---|" + "---|" * len(keys)]
+    for r in results:
+        st = [p["ours"]["stages"] for p in r["pairs"]]
+        lines.append(
+            f"| {r['workload']} | {r['beta']:g} | {r.get('mode', 'config')} | "
+            + " | ".join(f"{_med(s.get(k, float('nan')) for s in st):.4f}" for k in keys)
+            + " |"
+        )
+    return lines
+
+
 # trainer.async_mode -> our overrides for it (each mode's runs are a "framework" of their own in a pair)
 MODES = {
     "sync": ["trainer.async_mode=sync"],
@@ -290,6 +307,13 @@ MODES = {
     "bounded_staleness": [
         "trainer.async_mode=bounded_staleness",
         "trainer.max_staleness=2",
+        "algorithm.rollout_correction.mode=tis",
+    ],
+    # bounded_staleness whose updates land mid-rollout, between two of its chunks
+    "partial": [
+        "trainer.async_mode=bounded_staleness",
+        "trainer.max_staleness=2",
+        "trainer.partial_rollouts=true",
         "algorithm.rollout_correction.mode=tis",
     ],
 }
@@ -543,15 +567,11 @@ def report(results: list[dict], meta: dict) -> str:
             f"{_med(p['ours']['acc'] for p in r['pairs']):.3f} |"
         )
     lines += ["\n## Our step, stage by stage (median seconds)\n"]
-    keys = sorted({k for r in results for p in r["pairs"] for k in p["ours"]["stages"]})
-    lines += ["| workload | beta | mode | " + " | ".join(keys) + " |", "|---|---|---|" + "---|" * len(keys)]
-    for r in results:
-        st = [p["ours"]["stages"] for p in r["pairs"]]
-        lines.append(
-            f"| {r['workload']} | {r['beta']:g} | {r.get('mode', 'config')} | "
-            + " | ".join(f"{_med(s.get(k, float('nan')) for s in st):.4f}" for k in keys)
-            + " |"
-        )
+    keys = sorted({k for r in results for p in r["pairs"] for k in p["ours"]["stages"]} - set(ASYNC))
+    lines += stage_table(results, keys)
+    if any(k in p["ours"]["stages"] for r in results for p in r["pairs"] for k in ASYNC):
+        lines += ["\n## Staleness of what our asynchronous modes train on (median per step)\n"]
+        lines += stage_table(results, list(ASYNC))
     lines += [
         "\nOrchestration = timing_s/step - timing_s/gen_compute - timing_s/update_actor_compute (the rollout "
         "and the update as timed inside the worker; the reward stage, whose scoring takes well under a "

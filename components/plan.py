@@ -187,6 +187,7 @@ def make_plan(cfg: Config) -> RunPlan:
         PromptSettings.from_config(cfg),
         # an engine of its own holds the same adapters over the base, and receives only them
         lora=lora if lora.enabled and not e.lora_merge_on_sync else None,
+        partial=t.partial_rollouts,
     )
     placement = Placement(
         num_workers=t.num_workers,

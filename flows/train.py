@@ -119,6 +119,7 @@ class Ahead:
     gen: object = None  # PrefectFuture[Batch]
     reward: object = None  # PrefectFuture[(Batch, metrics)]
     scored: tuple | None = None
+    submitted: float = 0.0  # time.perf_counter() when its gen task was submitted
 
     def result(self) -> tuple:
         if self.scored is None:
@@ -130,6 +131,13 @@ class Ahead:
         if self.gen is None:
             return None
         return tuple(self.gen.result().meta["gen_window"])
+
+    def window_so_far(self, now: float) -> tuple[float, float] | None:
+        """When its generation ran, without waiting: still running, from its submission to `now` (the engine
+        samples the rollouts queued on it back to back, so their union is its busy time either way)."""
+        if self.gen is None:
+            return None
+        return self.gen_window() if self.gen.wrapped_future.done() else (self.submitted, now)
 
     def to_bytes(self) -> bytes:
         batch, metrics = self.result()
@@ -157,7 +165,7 @@ def sample_ahead(run: Run) -> None:
         with for_iteration(it):  # their runs are named after the iteration they sample for
             gen = generate_rollouts.submit(run.workers, rows, plan, it, run.version)
             reward = score_rewards.submit(gen, run.tokenizer, plan, run.workers, run.scorers)
-        run.ahead.append(Ahead(it, gen, reward))
+        run.ahead.append(Ahead(it, gen, reward, submitted=time.perf_counter()))
 
 
 def take_ahead(run: Run, timer: Timer) -> tuple:
@@ -185,10 +193,16 @@ def take_ahead(run: Run, timer: Timer) -> tuple:
 
 def push_after_ahead(run: Run, train_span_start: float) -> dict[str, float]:
     """Asynchronous modes: the update's weights into the engine once the rollouts sampling with the previous
-    weights are done (the engine runs them first anyway: it waits no longer than the copy); with
-    timing_s/overlap, the seconds of this iteration's training they sampled beside."""
-    windows = [w for w in (a.gen_window() for a in run.ahead) if w is not None]
-    overlap = overlap_seconds(windows, (train_span_start, time.perf_counter()))
+    weights are done (the engine runs them first anyway: it waits no longer than the copy), or with partial
+    rollouts at once, landing between two decode steps of the rollout in flight; with timing_s/overlap, the
+    seconds of this iteration's training the rollouts sampled beside."""
+    now = time.perf_counter()
+    if run.workers.rollout.mid_rollout:
+        windows = [a.window_so_far(now) for a in run.ahead]
+    else:
+        windows = [a.gen_window() for a in run.ahead]
+        now = time.perf_counter()
+    overlap = overlap_seconds([w for w in windows if w is not None], (train_span_start, now))
     start = time.perf_counter()
     run.version = sync_weights(run.workers)
     return {"timing_s/overlap": overlap, "timing_s/update_weights": time.perf_counter() - start}

@@ -8,7 +8,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from components.errors import ConfigError
-from components.rollout.completions import ADAPTER_ENGINES, LORA_RANKS, engine_problems
+from components.rollout.completions import (
+    ADAPTER_ENGINES,
+    INTERRUPTIBLE_ENGINES,
+    LORA_RANKS,
+    engine_problems,
+)
 
 if TYPE_CHECKING:
     from components.config.schema import Config
@@ -200,7 +205,7 @@ def lora_config_problems(cfg: Config) -> list[str]:
     if cfg.engine.type not in ADAPTER_ENGINES and not cfg.engine.lora_merge_on_sync:
         problems.append(
             f"actor.lora.rank={lora.rank} with engine.type={cfg.engine.type}: this version sends adapters alone "
-            f"only to the {' and '.join(ADAPTER_ENGINES)} engines; set engine.lora_merge_on_sync=true (merged "
+            f"only to the {', '.join(ADAPTER_ENGINES)} engines; set engine.lora_merge_on_sync=true (merged "
             "full weights after each update)."
         )
     if cfg.engine.type == "vllm" and not cfg.engine.lora_merge_on_sync and lora.rank > LORA_RANKS[-1]:
@@ -255,6 +260,30 @@ def critic_lora_problems(cfg: Config) -> list[str]:
 def async_problems(cfg: Config) -> list[str]:
     """Asynchronous modes need an engine with weights of its own, awake while the policy updates."""
     t, mode = cfg.trainer, cfg.trainer.async_mode
+    if t.partial_rollouts and mode == "bounded_staleness" and t.max_staleness != 0:
+        what = {
+            f"engine.type={cfg.engine.type}": cfg.engine.type not in INTERRUPTIBLE_ENGINES,
+            "multi_turn.enable=true": cfg.multi_turn.enable,
+            "actor.model.type=multimodal": cfg.actor.model.type == "multimodal",
+        }
+        if bad := [k for k, on in what.items() if on]:
+            return [
+                f"trainer.partial_rollouts=true with {bad[0]}: in this version only the "
+                f"{', '.join(INTERRUPTIBLE_ENGINES)} engine stops single-turn text samples mid-way for an "
+                "update; unset trainer.partial_rollouts (updates then wait for the rollouts in flight)."
+            ]
+    if t.partial_rollouts and (mode != "bounded_staleness" or t.max_staleness == 0):
+        why = (
+            "nothing is sampled ahead, so no rollout is in flight during an update"
+            if mode != "one_step_off"
+            else "one_step_off samples exactly one version behind, which a mid-rollout update would break"
+        )
+        return [
+            f"trainer.partial_rollouts=true with trainer.async_mode={mode}"
+            + (" and trainer.max_staleness=0" if mode == "bounded_staleness" else "")
+            + f": {why}; use trainer.async_mode=bounded_staleness with trainer.max_staleness >= 1, or "
+            "unset trainer.partial_rollouts."
+        ]
     if mode == "sync":
         return []
     key, problems = f"trainer.async_mode={mode}", []

@@ -557,6 +557,13 @@ class TrainerConfig(Section):
         description="policy versions a sample may lag the policy it trains (bounded_staleness: also the "
         "batches sampled ahead); None = 1. one_step_off: 1",
     )
+    partial_rollouts: bool = Field(
+        False,
+        description="bounded_staleness with the hf engine: an update's weights reach the engine at once; a "
+        "rollout in flight stops its samples after the current decode step, loads them, and finishes its "
+        "samples with them (flagged partial_rollout; async/partial_samples). Where updates land depends on "
+        "timing: a run is no longer reproducible bit for bit",
+    )
     min_workers: int = Field(
         1,
         ge=1,

@@ -34,6 +34,8 @@ class RolloutOutput:
     response_mask: torch.Tensor
     logprobs: torch.Tensor
     weights_version: int
+    # (B*n,) bool: samples stopped before their end because the caller asked (`interrupt`), None if none was
+    unfinished: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -126,3 +128,37 @@ def make_engine(
     if hasattr(engine_cls, "from_path"):  # engines that can also sample with an already loaded module
         return engine_cls.from_path(path, eos_id, pad_id, options, model=model, key=key)
     return engine_cls(path, eos_id, pad_id, options)
+
+
+def continue_samples(
+    out: RolloutOutput, rows: torch.Tensor, more: RolloutOutput, pad_id: int
+) -> RolloutOutput:
+    """`out` with its samples `rows` (cut short: every column of theirs a token) continued by `more` (one sample
+    per row, in order): tokens, masks and log-probs appended, the other samples padded. The version stays
+    `out`'s (the one the samples began with); `unfinished` is what `more` left unfinished.
+
+    >>> cut = RolloutOutput(torch.tensor([[5, 2], [7, 8]]), torch.tensor([[1, 1], [1, 1]]),
+    ...                     torch.tensor([[-1.0, -1.0], [-2.0, -2.0]]), 3, torch.tensor([False, True]))
+    >>> more = RolloutOutput(torch.tensor([[9, 2]]), torch.tensor([[1, 1]]), torch.tensor([[-0.5, -0.5]]), 4)
+    >>> c = continue_samples(cut, torch.tensor([1]), more, pad_id=0)
+    >>> c.responses.tolist(), c.response_mask.tolist(), c.weights_version, c.unfinished
+    ([[5, 2, 0, 0], [7, 8, 9, 2]], [[1, 1, 0, 0], [1, 1, 1, 1]], 3, None)
+    """
+    width, extra = out.responses.shape[1], more.responses.shape[1]
+
+    def widen(x: torch.Tensor, fill) -> torch.Tensor:
+        return torch.cat([x, torch.full((len(x), extra), fill, dtype=x.dtype)], dim=1)
+
+    responses, mask, logprobs = (
+        widen(out.responses, pad_id),
+        widen(out.response_mask, 0),
+        widen(out.logprobs, 0.0),
+    )
+    responses[rows, width:] = more.responses
+    mask[rows, width:] = more.response_mask
+    logprobs[rows, width:] = more.logprobs
+    unfinished = None
+    if more.unfinished is not None:
+        unfinished = torch.zeros(len(responses), dtype=torch.bool)
+        unfinished[rows[more.unfinished]] = True
+    return RolloutOutput(responses, mask, logprobs, out.weights_version, unfinished)

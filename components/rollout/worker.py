@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -13,9 +14,16 @@ from components.data.prompts import PromptSettings, encode_prompts
 from components.models.loading import load_image_encoder, load_tokenizer
 from components.models.lora import LoraSettings
 from components.rl import rollout_batch
-from components.rollout.base import PromptImages, SamplingParams, make_engine
+from components.rollout.base import (
+    PromptImages,
+    RolloutOutput,
+    SamplingParams,
+    continue_samples,
+    make_engine,
+)
 from components.rollout.completions import EngineOptions
 from components.rollout.multi_turn import MultiTurnSettings, make_tools, multi_turn_generate
+from components.training.seeding import derive_seed
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,9 @@ class RolloutSettings:
     multi_turn: MultiTurnSettings | None = None
     prompts: PromptSettings = field(default_factory=PromptSettings)
     lora: LoraSettings | None = None  # the policy's adapters, which this engine's copy holds and receives
+    # trainer.partial_rollouts: an update that arrives during a training rollout stops its samples where they
+    # are, and they are finished with the new weights (else the update waits for the rollout's end)
+    partial: bool = False
 
 
 class RolloutWorker:
@@ -43,12 +54,13 @@ class RolloutWorker:
         multi_turn: MultiTurnSettings | None = None,
         prompts: PromptSettings | None = None,
         lora: LoraSettings | None = None,
+        partial: bool = False,
     ):
         """`model`: sample with this module (a colocated policy's own) instead of loading a copy.
         `multi_turn`: samples may call tools between turns (components/rollout/multi_turn.py). `prompts`: how a
         row's prompt becomes token ids (data.apply_chat_template), the same as in SFT. `lora`: the policy's
         adapters, which a copy of its own holds over the base and receives alone (set here, in the
-        constructor, so an actor Ray restarts holds them again)."""
+        constructor, so an actor Ray restarts holds them again). `partial`: RolloutSettings.partial."""
         torch.set_num_threads(num_threads)
         self.tokenizer = load_tokenizer(model_path, key)
         self.images = load_image_encoder(model_path, self.tokenizer, key)  # None for a text-only policy
@@ -70,6 +82,10 @@ class RolloutWorker:
         )
         if lora is not None and model is None:  # a colocated engine samples with the policy's own adapters
             self.engine.use_adapters(lora)
+        self.partial = partial
+        # the engine is used by one thread at a time: an update (its own Ray concurrency group with partial
+        # rollouts) announces itself, and a partial rollout lets it in between two decode steps
+        self.engine_lock, self.update_waiting = threading.Lock(), threading.Event()
 
     @classmethod
     def from_settings(cls, s: RolloutSettings, model=None, key: str = "actor.model.path") -> RolloutWorker:
@@ -83,6 +99,7 @@ class RolloutWorker:
             multi_turn=s.multi_turn,
             prompts=s.prompts,
             lora=s.lora,
+            partial=s.partial,
         )
 
     def pid(self) -> int:
@@ -102,9 +119,16 @@ class RolloutWorker:
         return os.getpid()
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
-        self.engine.wake()  # a sleeping engine has its weights offloaded
-        self.engine.update_weights(state_dict, version)
-        return self.engine.weights_version
+        """Load the policy's weights `version`; during a partial rollout, between two of its decode steps
+        (its samples are then finished with these weights)."""
+        self.update_waiting.set()
+        try:
+            with self.engine_lock:
+                self.engine.wake()  # a sleeping engine has its weights offloaded
+                self.engine.update_weights(state_dict, version)
+                return self.engine.weights_version
+        finally:
+            self.update_waiting.clear()
 
     def generate(
         self,
@@ -115,19 +139,41 @@ class RolloutWorker:
         expect_version: int | None = None,
         greedy_baseline: bool = False,
     ) -> Batch:
-        """Sample params.n completions per row; refuses to sample with weights older than expect_version.
+        """Sample params.n completions per row; refuses to sample with weights other than expect_version
+        (with partial rollouts, newer ones are taken: an update may have landed while this call waited).
 
         greedy_baseline (remax) also decodes one greedy completion per row, as `baseline_responses` /
-        `baseline_mask` repeated over the row's n samples.
+        `baseline_mask` repeated over the row's n samples. With partial rollouts, an update announced during a
+        training rollout stops its samples after the current decode step; the update is loaded and the
+        unfinished samples are continued with the new weights (their prompt and tokens so far prefilled
+        again), flagged `partial_rollout`. `sample_version` stays the version each sample began with, so
+        staleness counts its oldest tokens.
         """
-        if expect_version is not None and self.engine.weights_version != expect_version:
-            raise RuntimeError(
-                f"rollout engine holds weights version {self.engine.weights_version}, "
-                f"the policy is at {expect_version}: sync weights before sampling"
-            )
         start = time.perf_counter()
+        with self.engine_lock:
+            held = self.engine.weights_version
+            if (
+                expect_version is not None
+                and held != expect_version
+                and not (self.partial and held > expect_version)
+            ):
+                raise RuntimeError(
+                    f"rollout engine holds weights version {held}, the policy is at {expect_version}: sync "
+                    "weights before sampling"
+                )
+            batch = self.sample(rows, params, seed, iteration, greedy_baseline)
+            if iteration >= 0:  # a training rollout: the policy update comes next
+                self.engine.sleep()
+        batch.meta["gen_seconds"] = time.perf_counter() - start  # in the worker: the stage's compute
+        return batch
+
+    def sample(
+        self, rows: list[dict], params: SamplingParams, seed: int, iteration: int, greedy: bool
+    ) -> Batch:
+        """The rollout, with the weights the engine holds (the caller holds the engine)."""
         self.engine.wake()
         prompt_ids, images = self.encode(rows)
+        continued = torch.zeros(len(rows) * params.n, dtype=torch.bool)
         if self.multi_turn:
             mt = multi_turn_generate(
                 self.engine,
@@ -146,21 +192,51 @@ class RolloutWorker:
                 tool_calls=mt.tool_calls,
                 tool_errors=mt.tool_errors,
             )
+        elif self.partial and iteration >= 0 and images is None:
+            out, continued = self.sample_partial(prompt_ids, params, seed)
+            batch = rollout_batch(rows, prompt_ids, out, params.n, self.tokenizer.pad_token_id, iteration)
         else:
             out = self.engine.generate(prompt_ids, params, seed, images)
             batch = rollout_batch(rows, prompt_ids, out, params.n, self.tokenizer.pad_token_id, iteration)
+        batch = batch.union(partial_rollout=continued)
         if images is not None:  # the trainer scores the samples with the pixels the hf engine saw
             batch = batch.union(pixel_values=images.pixels.repeat_interleave(params.n, 0))
-        batch.meta["gen_seconds"] = time.perf_counter() - start  # in the worker: the stage's compute
-        if greedy_baseline:
-            greedy = self.engine.generate(prompt_ids, replace(params, n=1, temperature=0.0), seed, images)
+        if greedy:
+            greedy_out = self.engine.generate(prompt_ids, replace(params, n=1, temperature=0.0), seed, images)
             batch = batch.union(
-                baseline_responses=greedy.responses.repeat_interleave(params.n, 0),
-                baseline_mask=greedy.response_mask.repeat_interleave(params.n, 0),
+                baseline_responses=greedy_out.responses.repeat_interleave(params.n, 0),
+                baseline_mask=greedy_out.response_mask.repeat_interleave(params.n, 0),
             )
-        if iteration >= 0:  # a training rollout: the policy update comes next
-            self.engine.sleep()
         return batch
+
+    def sample_partial(
+        self, prompt_ids: list[list[int]], params: SamplingParams, seed: int
+    ) -> tuple[RolloutOutput, torch.Tensor]:
+        """The rollout, stopped after any decode step at which an update is announced: the engine is handed
+        to the update, then the unfinished samples continue from their tokens so far with the new weights
+        (again and again, if more updates come). Returns it and which samples were continued (B*n,)."""
+        interrupt = self.update_waiting.is_set
+        out = self.engine.generate(prompt_ids, params, seed, interrupt=interrupt)
+        continued, round_ = torch.zeros(len(out.responses), dtype=torch.bool), 0
+        while out.unfinished is not None and out.unfinished.any():
+            rows = out.unfinished.nonzero().squeeze(-1)
+            continued[rows] = True
+            self.engine_lock.release()  # the update goes now
+            try:
+                while self.update_waiting.is_set():
+                    time.sleep(0.001)
+            finally:
+                self.engine_lock.acquire()
+            round_ += 1
+            so_far = out.responses.shape[1]  # every unfinished sample has this many tokens
+            more = self.engine.generate(
+                [prompt_ids[r // params.n] + out.responses[r].tolist() for r in rows.tolist()],
+                replace(params, n=1, max_new_tokens=params.max_new_tokens - so_far),
+                derive_seed(seed, "continue", round_),
+                interrupt=interrupt,
+            )
+            out = continue_samples(out, rows, more, self.tokenizer.pad_token_id)
+        return out, continued
 
     def encode(self, rows: list[dict]) -> tuple[list[list[int]], PromptImages | None]:
         """Each row's prompt ids (a VLM's `<image>` token expanded to the image's tokens) and, for a VLM, the

@@ -29,6 +29,8 @@ from components.training.distributed import GroupSpec
 from components.training.loop import balanced_shards
 from components.training.worker import ColocatedWorker, PolicyWorker, ReferenceWorker
 
+UPDATES = "updates"  # a rollout actor's Ray concurrency group for weight updates (partial rollouts)
+
 
 class StageTimeout(TimeoutError):
     """A worker call ran past trainer.stage_timeout_s; its process tree was killed."""
@@ -146,12 +148,15 @@ class PolicyGroup(Actors):
     def save_model(self, out: str, kind: str) -> str:
         return self._all("save_model", lambda a: a.save_model.remote(out, kind))[0]
 
-    def push_weights(self, engines: list) -> int:
+    def push_weights(self, engines: list, mid_rollout: bool = False) -> int:
         """Rank 0's (gathered) weights into these rollout actors through one object-store copy (never the
-        driver, never disk); every policy worker takes part in the gather. Returns the weights version."""
+        driver, never disk); every policy worker takes part in the gather. Returns the weights version.
+        `mid_rollout` (partial rollouts): each engine loads them between two decode steps of the rollout it
+        is sampling, in its own concurrency group, instead of after the rollouts queued before them."""
         refs = [a.get_weights.options(num_returns=2).remote() for a in self.actors]
         weights, version = refs[0]
-        done = [e.update_weights.remote(weights, version) for e in engines]
+        opts = {"concurrency_group": UPDATES} if mid_rollout else {}
+        done = [e.update_weights.options(**opts).remote(weights, version) for e in engines]
         return self.wait(done + [r[1] for r in refs[1:]], "push_weights")[0]
 
     def share_weights(self) -> int:
@@ -171,9 +176,11 @@ class RolloutGroup(Actors):
         timeout_s: float,
         pool: EnginePool | None = None,
         health_check: bool = False,
+        mid_rollout: bool = False,
     ):
         super().__init__(actors, pids, timeout_s)
         self.pool, self.health = pool, health_check
+        self.mid_rollout = mid_rollout  # partial rollouts: updates land mid-rollout
 
     @property
     def colocated(self) -> bool:
@@ -224,8 +231,9 @@ class RolloutGroup(Actors):
         """The engines whose weights are not `version` (a restarted one holds the SFT weights). An engine that
         dies on the question (after its health check, before it samples) is restarted by the pool, which hands
         it the current weights, instead of failing the stage."""
+        behind = (lambda v: v < version) if self.mid_rollout else (lambda v: v != version)  # newer: landed
         if self.pool is None:
-            return [e for e, v in zip(self.engines(), self.versions()) if v != version]
+            return [e for e, v in zip(self.engines(), self.versions()) if behind(v)]
         out = []
         for k, engine in enumerate(list(self.pool.actors)):
             try:
@@ -233,7 +241,7 @@ class RolloutGroup(Actors):
             except FAILURES:
                 self.pool.restart(k)
                 continue
-            if current != version:
+            if behind(current):
                 out.append(engine)
         return out
 
@@ -273,7 +281,7 @@ class Workers:
         """The policy's weights into every engine (colocated: only the version moves); returns the version."""
         if self.rollout.colocated:
             return self.policy.share_weights()
-        return self.policy.push_weights(self.rollout.engines())
+        return self.policy.push_weights(self.rollout.engines(), self.rollout.mid_rollout)
 
     def sample(
         self,
@@ -391,7 +399,10 @@ def start_engine(settings: RolloutSettings, placement: Placement):
     """One rollout actor (RolloutWorker with the configured engine). Ray restarts it up to 3 times; GPU engines
     reserve engine.num_gpus (default tensor_parallel_size) GPUs, hf engines share one CPU between them."""
     cpus = 1.0 / placement.num_engines if settings.engine_type == "hf" else 1.0
-    return ray.remote(num_cpus=cpus, num_gpus=placement.engine_gpus, max_restarts=3)(RolloutWorker).remote(
+    # partial rollouts: updates run in a thread of their own, so one reaches the engine mid-rollout
+    groups = {"concurrency_groups": {UPDATES: 1}} if settings.partial else {}
+    actor_class = ray.remote(num_cpus=cpus, num_gpus=placement.engine_gpus, max_restarts=3, **groups)
+    return actor_class(RolloutWorker).remote(
         settings.model_path,
         settings.engine_type,
         settings.options,
@@ -399,6 +410,7 @@ def start_engine(settings: RolloutSettings, placement: Placement):
         multi_turn=settings.multi_turn,
         prompts=settings.prompts,
         lora=settings.lora,  # without it, the engine would get adapter tensors for a model that has none
+        partial=settings.partial,
     )
 
 
@@ -433,6 +445,7 @@ def start_workers(plan: RunPlan) -> Workers:
                 p.health_check_timeout_s,
             ),
             p.health_check,
+            mid_rollout=plan.rollout.partial,
         )
     workers = Workers(policy, rollout)
     if plan.reference is not None:

@@ -126,3 +126,23 @@ def test_lora_adapters_reach_an_engine_of_its_own(start):
     assert len(history(info, "critic/score/mean")) == ITERATIONS
     for key in ("rollout_corr/weight_mean", "rollout_corr/weight_max"):
         assert history(info, key) == pytest.approx([1.0] * ITERATIONS, abs=1e-4)
+
+
+def test_bounded_staleness_with_partial_rollouts_trains_within_its_bound(start):
+    # updates go to the engine at once, landing between two chunks of the rollout in flight (where they
+    # land depends on timing: tests/components/rollout/test_worker.py pins it down); every sample is still
+    # within max_staleness, and those sampled after a mid-rollout update are counted
+    iterations = 3
+    info = train(
+        start,
+        "partial",
+        "trainer.async_mode=bounded_staleness",
+        "trainer.max_staleness=2",
+        "trainer.partial_rollouts=true",
+        f"trainer.iterations={iterations}",
+    )
+    assert len(history(info, "critic/score/mean")) == iterations
+    assert all(s <= 2 for s in history(info, "async/staleness/max"))
+    partial = history(info, "async/partial_samples")
+    assert len(partial) == iterations and all(p >= 0 for p in partial)
+    assert load_model(info["final_model"]) is not None

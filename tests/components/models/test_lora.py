@@ -124,8 +124,8 @@ def test_merging_never_touches_the_base(tiny_model_dir, tokenizer):
         ),
         (["actor.lora.rank=64"], r"actor\.lora\.rank=64 is larger than the smallest side \(32\)"),
         (
-            ["actor.lora.rank=4", "engine.type=sglang"],
-            r"actor\.lora\.rank=4 with engine\.type=sglang: .*set engine\.lora_merge_on_sync=true",
+            ["actor.lora.rank=4", "engine.type=trtllm"],
+            r"actor\.lora\.rank=4 with engine\.type=trtllm: .*set engine\.lora_merge_on_sync=true",
         ),
         (
             ["actor.lora.rank=4", "actor.lora.quantization=4bit"],

@@ -351,3 +351,14 @@ def test_vllm_takes_the_adapters_alone_and_samples_as_the_trainer(vllm_ready, tm
     with policy.disable_adapter():  # the base the engine holds is the saved one, untouched
         assert float(engine_logprob_gaps(policy, ids, before, tokenizer.pad_token_id).max()) < 1e-4
     engine.close()
+
+
+def test_sglangs_adapter_slots_are_server_args_it_accepts():
+    """Run where SGLang imports (a GPU machine with the gpu extra): our LoRA slots are fields of its ServerArgs."""
+    server_args = pytest.importorskip("sglang.srt.server_args")
+    from dataclasses import fields
+
+    from components.rollout.completions import EngineOptions
+
+    names = {f.name for f in fields(server_args.ServerArgs)}
+    assert set(sglang_engine.lora_server_args(EngineOptions(lora_rank=16))) <= names
