@@ -34,6 +34,19 @@ def make_model(tokenizer, seed: int = 0, hidden: int = 32):
     )
 
 
+def arith_rows(count: int) -> list[dict]:
+    """`count` prompts a+a= (a = 0, 1, ...) as rows of the cleaned dataset."""
+    return [
+        {
+            "prompt": f"{a}+{a}=",
+            "reward_model": {"ground_truth": str(2 * a)},
+            "data_source": "arith",
+            "extra_info": {},
+        }
+        for a in range(count)
+    ]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer):
     out = tmp_path_factory.mktemp("tiny_model")

@@ -20,17 +20,9 @@ from components.models.loading import load_model
 from components.rollout.base import SamplingParams
 from components.rollout.worker import RolloutSettings, RolloutWorker
 from components.training.logprobs import batch_logprobs
-from tests.conftest import make_model
+from tests.conftest import arith_rows, make_model
 
-ROWS = [
-    {
-        "prompt": f"{a}+{a}=",
-        "reward_model": {"ground_truth": str(2 * a)},
-        "data_source": "arith",
-        "extra_info": {},
-    }
-    for a in range(8)
-]
+ROWS = arith_rows(8)
 PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
 
 

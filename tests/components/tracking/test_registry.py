@@ -42,17 +42,10 @@ def logged(tmp_path, seed: int) -> tuple[str, str]:
 def greedy(path) -> list[str]:
     from components.rollout.base import SamplingParams
     from components.rollout.worker import RolloutWorker
+    from tests.conftest import arith_rows
 
     worker = RolloutWorker(str(path))
-    rows = [
-        {
-            "prompt": f"{a}+{a}=",
-            "reward_model": {"ground_truth": str(2 * a)},
-            "data_source": "arith",
-            "extra_info": {},
-        }
-        for a in range(6)
-    ]
+    rows = arith_rows(6)
     return worker.decode(worker.generate(rows, SamplingParams(n=1, temperature=0.0, max_new_tokens=6), 0, -1))
 
 
