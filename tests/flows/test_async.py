@@ -129,7 +129,7 @@ def test_lora_adapters_reach_an_engine_of_its_own(start):
 
 
 def test_bounded_staleness_with_partial_rollouts_trains_within_its_bound(start):
-    # updates go to the engine at once, landing between two chunks of the rollout in flight (where they
+    # updates go to the engine at once, landing between two decode steps of the rollout in flight (where they
     # land depends on timing: tests/components/rollout/test_worker.py pins it down); every sample is still
     # within max_staleness, and those sampled after a mid-rollout update are counted
     iterations = 3
