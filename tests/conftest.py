@@ -34,6 +34,29 @@ def make_model(tokenizer, seed: int = 0, hidden: int = 32):
     )
 
 
+# the files that take longest (end-to-end runs, most of them several processes each), in order
+LONGEST_FIRST = (
+    "tests/flows/test_dvc.py",
+    "tests/flows/test_faults.py",
+    "tests/flows/test_multi_worker.py",
+    "tests/flows/test_nightly.py",
+    "tests/flows/test_user_data.py",
+    "tests/flows/",
+    "tests/components/training/",
+)
+
+
+def pytest_collection_modifyitems(items):
+    """The longest files first. The suite runs in two processes (pytest-xdist, --dist loadfile), each file
+    whole in the first free one, in collection order: started first, the long files overlap each other,
+    and the many short ones fill the end, instead of one long file running alone after the rest are done."""
+
+    def rank(item) -> int:
+        return next((i for i, p in enumerate(LONGEST_FIRST) if item.nodeid.startswith(p)), len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: within a rank, the collection's order
+
+
 def arith_rows(count: int) -> list[dict]:
     """`count` prompts a+a= (a = 0, 1, ...) as rows of the cleaned dataset."""
     return [
