@@ -196,11 +196,11 @@ def push_after_ahead(run: Run, train_span_start: float) -> dict[str, float]:
     weights are done (the engine runs them first anyway: it waits no longer than the copy), or with partial
     rollouts at once, landing between two decode steps of the rollout in flight; with timing_s/overlap, the
     seconds of this iteration's training the rollouts sampled beside."""
-    now = time.perf_counter()
     if run.workers.rollout.mid_rollout:
+        now = time.perf_counter()
         windows = [a.window_so_far(now) for a in run.ahead]
     else:
-        windows = [a.gen_window() for a in run.ahead]
+        windows = [a.gen_window() for a in run.ahead]  # waits for them to end
         now = time.perf_counter()
     overlap = overlap_seconds([w for w in windows if w is not None], (train_span_start, now))
     start = time.perf_counter()

@@ -260,7 +260,19 @@ def critic_lora_problems(cfg: Config) -> list[str]:
 def async_problems(cfg: Config) -> list[str]:
     """Asynchronous modes need an engine with weights of its own, awake while the policy updates."""
     t, mode = cfg.trainer, cfg.trainer.async_mode
-    if t.partial_rollouts and mode == "bounded_staleness" and t.max_staleness != 0:
+    if t.partial_rollouts:
+        if mode != "bounded_staleness" or t.max_staleness == 0:
+            why = (
+                "nothing is sampled ahead, so no rollout is in flight during an update"
+                if mode != "one_step_off"
+                else "one_step_off samples exactly one version behind, which a mid-rollout update would break"
+            )
+            return [
+                f"trainer.partial_rollouts=true with trainer.async_mode={mode}"
+                + (" and trainer.max_staleness=0" if mode == "bounded_staleness" else "")
+                + f": {why}; use trainer.async_mode=bounded_staleness with trainer.max_staleness >= 1, or "
+                "unset trainer.partial_rollouts."
+            ]
         what = {
             f"engine.type={cfg.engine.type}": cfg.engine.type not in INTERRUPTIBLE_ENGINES,
             "multi_turn.enable=true": cfg.multi_turn.enable,
@@ -272,18 +284,6 @@ def async_problems(cfg: Config) -> list[str]:
                 f"{', '.join(INTERRUPTIBLE_ENGINES)} engine stops single-turn text samples mid-way for an "
                 "update; unset trainer.partial_rollouts (updates then wait for the rollouts in flight)."
             ]
-    if t.partial_rollouts and (mode != "bounded_staleness" or t.max_staleness == 0):
-        why = (
-            "nothing is sampled ahead, so no rollout is in flight during an update"
-            if mode != "one_step_off"
-            else "one_step_off samples exactly one version behind, which a mid-rollout update would break"
-        )
-        return [
-            f"trainer.partial_rollouts=true with trainer.async_mode={mode}"
-            + (" and trainer.max_staleness=0" if mode == "bounded_staleness" else "")
-            + f": {why}; use trainer.async_mode=bounded_staleness with trainer.max_staleness >= 1, or "
-            "unset trainer.partial_rollouts."
-        ]
     if mode == "sync":
         return []
     key, problems = f"trainer.async_mode={mode}", []

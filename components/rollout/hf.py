@@ -80,9 +80,6 @@ class HFEngine:
         check_newer(self.weights_version, version)
         self.weights_version = version
 
-    # generate() takes `interrupt`: asked between two decode steps, true stops every sample where it is
-    interruptible = True
-
     @torch.inference_mode()
     def generate(
         self,

@@ -82,7 +82,7 @@ class VLLMEngine:
 
         # vLLM's CPU build cannot rewind a seeded request's generator when its prefill is split across steps
         cpu = {"enable_chunked_prefill": False} if current_platform.is_cpu() else {}
-        self.path, self.lora, self.lora_request, self.adapter_dirs = path, None, None, None
+        self.path, self.lora_request, self.adapter_dirs = path, None, None
         if options.lora_rank:  # one adapter at a time: the policy's current version
             cpu |= {"enable_lora": True, "max_lora_rank": lora_slots(options.lora_rank), "max_loras": 1}
         self.llm = vllm.LLM(
@@ -111,7 +111,7 @@ class VLLMEngine:
                 f"the vllm engine was built for adapters of rank {self.options.lora_rank}, not {s.rank}: "
                 "build it with EngineOptions(lora_rank=actor.lora.rank)"
             )
-        self.lora, self.adapter_dirs = s, AdapterDirs(s, self.path)
+        self.adapter_dirs = AdapterDirs(s, self.path)
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, seed: int, images: PromptImages | None = None
@@ -131,7 +131,7 @@ class VLLMEngine:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         check_newer(self.weights_version, version)
-        if self.lora is not None:
+        if self.adapter_dirs is not None:
             self._load_adapters(state_dict, version)
             return
         # vLLM's in-place reload takes checkpoint-format names and tensors and redoes whatever its kernels did to
