@@ -327,6 +327,8 @@ class PolicyWorker:
             ]
             critic = D.full_model_state(self.critic.model) if self.critic is not None else None
         if self.rank > 0:
+            # rank 0 may not have made the directory yet: nothing above synchronises the ranks for a LoRA policy
+            out.mkdir(parents=True, exist_ok=True)
             (out / f"rng_rank{self.rank}.json").write_text(
                 json.dumps({"rng": rng_state(), "torch": torch.get_rng_state().tolist()})
             )

@@ -28,6 +28,28 @@ def prefect_harness(prefect_api):
     yield
 
 
+def task_runs(flow_run_id, expected=(), timeout_s: float = 60.0) -> dict:
+    """{task run name: task run} of a flow run, read from the Prefect server until it holds every name in
+    `expected` and all are in a final state (or `timeout_s` passes). Task run states reach the server as
+    events after the run returns, and the server runs niced: under load the last ones land seconds later."""
+    import time
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline, runs = time.monotonic() + timeout_s, {}
+    with get_client(sync_client=True) as client:
+        while True:
+            found = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+            )
+            runs = {r.name: r for r in found}
+            done = all(name in runs and runs[name].state and runs[name].state.is_final() for name in expected)
+            if done or time.monotonic() > deadline:
+                return runs
+            time.sleep(0.5)
+
+
 def small_overrides(root, iterations=4) -> list[str]:
     """A shrunken default pipeline whose every output lives under `root`."""
     return [

@@ -11,7 +11,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from components.models.loading import load_model
-from tests.flows.conftest import latest_checkpoint, sft_ready
+from tests.flows.conftest import latest_checkpoint, sft_ready, task_runs
 
 pytestmark = pytest.mark.slow
 
@@ -41,16 +41,6 @@ def train(start, name: str, *extra: str) -> dict:
         "configs/arith_grpo.yaml", [*ov, f"trainer.output_dir={root}/{name}", *extra], return_state=True
     )
     return {**state.result(), "flow_run_id": state.state_details.flow_run_id}
-
-
-def task_runs(flow_run_id) -> dict:
-    """{task run name: task run} of a flow run, from the Prefect server."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {r.name: r for r in runs}
 
 
 def history(info: dict, key: str) -> list[float]:
@@ -85,9 +75,8 @@ def test_one_step_off_samples_with_the_weights_before_the_update_beside_it(one_s
     # in Prefect, each iteration's gen and reward as task runs of their own, named by iteration (how long
     # they ran beside the update is timing_s/overlap; the tiny model samples and updates in milliseconds, so
     # its figure is noise here: bench/trl_compare.py measures it on real workloads)
-    runs = task_runs(one_step_off["flow_run_id"])
-    for k in range(1, ITERATIONS + 1):
-        assert {f"gen[it={k}]", f"reward[it={k}]", f"update-actor[it={k}]"} <= runs.keys()
+    expected = {f"{s}[it={k}]" for s in ("gen", "reward", "update-actor") for k in range(1, ITERATIONS + 1)}
+    assert expected <= task_runs(one_step_off["flow_run_id"], expected).keys()
     overlap = history(one_step_off, "timing_s/overlap")
     assert len(overlap) == ITERATIONS and overlap[-1] == 0.0  # nothing is sampled beside the last update
     weights = history(one_step_off, "rollout_corr/weight_mean")

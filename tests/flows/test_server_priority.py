@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import time
-
 import psutil
 from prefect import flow, task
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.context import get_run_context
 
 from flows._args import yield_prefect_server
+from tests.flows.conftest import task_runs
 
 
-@task
+@task(task_run_name="double-{x}")
 def _double(x: int) -> int:
     return 2 * x
 
@@ -31,14 +28,9 @@ def test_server_is_niced_and_records_every_task_run():
     server = psutil.Process(pid)
     assert "uvicorn" in " ".join(server.cmdline()) and server.nice() == 19
     assert server.ppid() == psutil.Process().pid  # our own ephemeral server, never a user's
-    deadline, runs = time.time() + 60, []
-    with get_client(sync_client=True) as client:
-        while time.time() < deadline:
-            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
-            if len(runs) == 5 and all(r.state and r.state.is_completed() for r in runs):
-                break
-            time.sleep(0.5)
-    assert len(runs) == 5 and all(r.state.is_completed() for r in runs)
+    expected = {f"double-{i}" for i in range(5)}
+    runs = task_runs(run_id, expected)
+    assert runs.keys() == expected and all(r.state.is_completed() for r in runs.values())
 
 
 def test_niceness_zero_leaves_the_server_alone():

@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from components.models.loading import load_model
 from components.tracking import checkpoints
-from tests.flows.conftest import run_dir, sft_ready, small_overrides
+from tests.flows.conftest import run_dir, sft_ready, small_overrides, task_runs
 
 pytestmark = pytest.mark.slow
 
@@ -119,25 +119,22 @@ def test_what_the_prefect_ui_shows_is_there(pipeline_run):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, LogFilter, LogFilterFlowRunId
 
-    async def read() -> tuple[list, list, list]:
+    async def read() -> tuple[list, list]:
         async with get_client() as client:
-            flows = await client.read_flow_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
-            runs = FlowRunFilter(id={"any_": [flows[0].id]})
-            tasks = await client.read_task_runs(flow_run_filter=runs)
+            runs = FlowRunFilter(id={"any_": [flow_run_id]})
             logs = await client.read_logs(
-                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flows[0].id]))
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
             )
-            arts = await client.read_artifacts(flow_run_filter=runs)
-            return tasks, logs, arts
+            return logs, await client.read_artifacts(flow_run_filter=runs)
 
     root, info, _ = pipeline_run
     tags = MlflowClient(f"sqlite:///{root}/mlruns.db").get_run(info["run_id"]).data.tags
     flow_run_id = tags["prefect.flow_run_id"]  # the MLflow run names the Prefect flow run that made it
-    tasks, logs, arts = asyncio.run(read())
-    names = {t.name for t in tasks}
-    assert {
+    expected = {
         f"{s}[it={i}]" for s in ("gen", "reward", "adv", "update-actor") for i in range(1, ITERATIONS + 1)
-    } <= names
+    }
+    assert expected <= task_runs(flow_run_id, expected).keys()
+    logs, arts = asyncio.run(read())
     assert any(m.message.startswith(f"iter {ITERATIONS}/{ITERATIONS}") for m in logs)
     evaluations = [a for a in arts if a.key == "evaluation"]
     assert len(evaluations) == 2 and "Greedy answers" in evaluations[0].data
