@@ -180,16 +180,17 @@ def test_concurrent_runs_are_limited_to_the_slots():
 
 
 def test_cpu_is_limited_for_the_whole_process_tree():
-    """8 forked children each burning CPU: RLIMIT_CPU alone allowed each its own 2 s (16 s in all); the tree
-    is stopped at the sandbox's 2 s."""
+    """8 forked children each burning CPU: RLIMIT_CPU alone allowed each its own 2 s (16 s in all, at least
+    8 s of wall time on 2 free cores); the tree is stopped at the sandbox's 2 s. The wall timeout is out of
+    reach, so only the CPU limit can stop it that soon, however loaded the machine."""
     code = (
         "import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        while True:\n            pass\n"
         "time.sleep(30)"
     )
     from dataclasses import replace
 
-    result = Sandbox(replace(LIMITS, max_processes=16)).run(code)
-    assert result.status == "timeout" and result.wall_s < LIMITS.cpu_s + 2.5, result
+    result = Sandbox(replace(LIMITS, max_processes=16, timeout_s=60.0)).run(code)
+    assert result.status == "timeout" and result.wall_s < 8 * LIMITS.cpu_s / 2, result
 
 
 def _sandbox_in_another_process(seconds: float) -> str:
