@@ -280,9 +280,9 @@ def async_problems(cfg: Config) -> list[str]:
         }
         if bad := [k for k, on in what.items() if on]:
             return [
-                f"trainer.partial_rollouts=true with {bad[0]}: in this version only the "
-                f"{', '.join(INTERRUPTIBLE_ENGINES)} engine stops single-turn text samples mid-way for an "
-                "update; unset trainer.partial_rollouts (updates then wait for the rollouts in flight)."
+                f"trainer.partial_rollouts=true with {bad[0]}: in this version only single-turn text samples "
+                f"of the engines {', '.join(INTERRUPTIBLE_ENGINES)} stop mid-way for an update; unset "
+                "trainer.partial_rollouts (updates then wait for the rollouts in flight)."
             ]
     if mode == "sync":
         return []

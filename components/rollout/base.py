@@ -133,32 +133,48 @@ def make_engine(
 def continue_samples(
     out: RolloutOutput, rows: torch.Tensor, more: RolloutOutput, pad_id: int
 ) -> RolloutOutput:
-    """`out` with its samples `rows` (cut short: every column of theirs a token) continued by `more` (one sample
-    per row, in order): tokens, masks and log-probs appended, the other samples padded. The version stays
-    `out`'s (the one the samples began with); `unfinished` is what `more` left unfinished.
+    """`out` with its samples `rows` (cut short: each has no stop token, so its mask covers its tokens so far)
+    continued by `more` (one sample per row, in order), each right after its own last token (an engine that
+    batches continuously may cut samples at different lengths): tokens, masks and log-probs, the other
+    samples padded. The version stays `out`'s (the one the samples began with); `unfinished` is `out`'s for
+    the other samples and what `more` left unfinished for `rows`.
 
-    >>> cut = RolloutOutput(torch.tensor([[5, 2], [7, 8]]), torch.tensor([[1, 1], [1, 1]]),
-    ...                     torch.tensor([[-1.0, -1.0], [-2.0, -2.0]]), 3, torch.tensor([False, True]))
+    >>> cut = RolloutOutput(torch.tensor([[5, 2], [7, 8], [4, 0]]), torch.tensor([[1, 1], [1, 1], [1, 0]]),
+    ...                     torch.tensor([[-1.0, -1.0], [-2.0, -2.0], [-3.0, 0.0]]), 3,
+    ...                     torch.tensor([False, True, True]))
     >>> more = RolloutOutput(torch.tensor([[9, 2]]), torch.tensor([[1, 1]]), torch.tensor([[-0.5, -0.5]]), 4)
     >>> c = continue_samples(cut, torch.tensor([1]), more, pad_id=0)
-    >>> c.responses.tolist(), c.response_mask.tolist(), c.weights_version, c.unfinished
-    ([[5, 2, 0, 0], [7, 8, 9, 2]], [[1, 1, 0, 0], [1, 1, 1, 1]], 3, None)
+    >>> c.responses.tolist(), c.response_mask.tolist()
+    ([[5, 2, 0, 0], [7, 8, 9, 2], [4, 0, 0, 0]], [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    >>> c.weights_version, c.unfinished.tolist()
+    (3, [False, False, True])
+    >>> c = continue_samples(cut, torch.tensor([2]), more, pad_id=0)  # after its one token
+    >>> c.responses[2].tolist(), c.logprobs[2].tolist(), c.unfinished.tolist()
+    ([4, 9, 2], [-3.0, -0.5, -0.5], [False, True, False])
     """
-    width, extra = out.responses.shape[1], more.responses.shape[1]
+    lengths = out.response_mask.sum(-1)
+    width = max(out.responses.shape[1], int((lengths[rows] + more.responses.shape[1]).max()))
 
     def widen(x: torch.Tensor, fill) -> torch.Tensor:
-        return torch.cat([x, torch.full((len(x), extra), fill, dtype=x.dtype)], dim=1)
+        return torch.cat([x, torch.full((len(x), width - x.shape[1]), fill, dtype=x.dtype)], dim=1)
 
     responses, mask, logprobs = (
         widen(out.responses, pad_id),
         widen(out.response_mask, 0),
         widen(out.logprobs, 0.0),
     )
-    responses[rows, width:] = more.responses
-    mask[rows, width:] = more.response_mask
-    logprobs[rows, width:] = more.logprobs
-    unfinished = None
-    if more.unfinished is not None:
-        unfinished = torch.zeros(len(responses), dtype=torch.bool)
-        unfinished[rows[more.unfinished]] = True
-    return RolloutOutput(responses, mask, logprobs, out.weights_version, unfinished)
+    extra = more.responses.shape[1]
+    for k, r in enumerate(rows.tolist()):
+        at = int(lengths[r])
+        responses[r, at : at + extra] = more.responses[k]
+        mask[r, at : at + extra] = more.response_mask[k]
+        logprobs[r, at : at + extra] = more.logprobs[k]
+    unfinished = (
+        out.unfinished.clone()
+        if out.unfinished is not None
+        else torch.zeros(len(responses), dtype=torch.bool)
+    )
+    unfinished[rows] = more.unfinished if more.unfinished is not None else False
+    return RolloutOutput(
+        responses, mask, logprobs, out.weights_version, unfinished if unfinished.any() else None
+    )

@@ -69,8 +69,9 @@ def lora_slots(rank: int) -> int:
     return next(r for r in LORA_RANKS if r >= rank)
 
 
-# the engines whose generate() stops mid-sample when asked (`interrupt`): partial rollouts
-INTERRUPTIBLE_ENGINES = ("hf",)
+# the engines whose generate() stops mid-sample when asked (`interrupt`): partial rollouts (hf between decode
+# steps, vllm between scheduler steps; SGLang and TensorRT-LLM would need their servers' request abort)
+INTERRUPTIBLE_ENGINES = ("hf", "vllm")
 
 # the engines that take the policy's LoRA adapters alone after each update (others take merged weights)
 ADAPTER_ENGINES = ("hf", "vllm", "sglang")

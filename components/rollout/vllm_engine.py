@@ -11,6 +11,8 @@ rollout worker's Ray actor (one per `engine.num_engines`), with `engine.tensor_p
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -19,6 +21,7 @@ from components.rollout.completions import (
     AdapterDirs,
     EngineOptions,
     context_length,
+    logprob_of,
     lora_slots,
     request_completions,
     require,
@@ -83,6 +86,7 @@ class VLLMEngine:
         # vLLM's CPU build cannot rewind a seeded request's generator when its prefill is split across steps
         cpu = {"enable_chunked_prefill": False} if current_platform.is_cpu() else {}
         self.path, self.lora_request, self.adapter_dirs = path, None, None
+        self._requests = 0  # interruptible generations so far: their request ids are unique
         if options.lora_rank:  # one adapter at a time: the policy's current version
             cpu |= {"enable_lora": True, "max_lora_rank": lora_slots(options.lora_rank), "max_loras": 1}
         self.llm = vllm.LLM(
@@ -114,20 +118,65 @@ class VLLMEngine:
         self.adapter_dirs = AdapterDirs(s, self.path)
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, seed: int, images: PromptImages | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seed: int,
+        images: PromptImages | None = None,
+        interrupt: Callable[[], bool] | None = None,
     ) -> RolloutOutput:
+        """`interrupt`: asked after each of the engine's scheduler steps; when it answers true, the samples
+        still running are aborted and returned cut short, marked `unfinished` (partial rollouts)."""
         from vllm.inputs import TokensPrompt
 
-        sp = self._vllm.SamplingParams(**sampling_kwargs(params, seed))
         requests = [TokensPrompt(**r) for r in token_prompts(prompts, images)]
+        stops = {self.eos_id, *params.stop_token_ids}
+        if interrupt is not None:
+            return self._generate_until(requests, params, seed, stops, interrupt)
+        sp = self._vllm.SamplingParams(**sampling_kwargs(params, seed))
         outs = self.llm.generate(requests, sp, use_tqdm=False, lora_request=self.lora_request)
         return to_rollout_output(
-            completions(outs),
-            {self.eos_id, *params.stop_token_ids},
-            self.pad_id,
-            params.max_new_tokens,
-            self.weights_version,
+            completions(outs), stops, self.pad_id, params.max_new_tokens, self.weights_version
         )
+
+    def _generate_until(
+        self,
+        requests: list,
+        params: SamplingParams,
+        seed: int,
+        stops: set[int],
+        interrupt: Callable[[], bool],
+    ) -> RolloutOutput:
+        """The requests stepped through vLLM's engine one scheduler step at a time, as LLM.generate does, each
+        step's outputs kept whole (cumulative: every running sample's tokens and log-probs so far). Sampling
+        is the same as generate's: the same requests, seeds and schedule."""
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = self._vllm.SamplingParams(
+            **sampling_kwargs(params, seed), output_kind=RequestOutputKind.CUMULATIVE
+        )
+        # the engine's own add_request: LLM.generate and LLM.enqueue make every request report only its end
+        engine, latest = self.llm.llm_engine, {}  # (request id, sample index) -> its completion so far
+        self._requests += 1
+        ids = [f"partial-{self._requests}-{i}" for i in range(len(requests))]
+        for rid, request in zip(ids, requests, strict=True):
+            engine.add_request(rid, request, sp, lora_request=self.lora_request)
+        while engine.has_unfinished_requests():
+            for request in engine.step():
+                for c in request.outputs:
+                    latest[(request.request_id, c.index)] = c
+            if engine.has_unfinished_requests() and interrupt():
+                engine.abort_request(list(ids))  # those already finished are no longer tracked
+                break
+        samples, cut = [], []
+        for rid in ids:
+            for j in range(params.n):
+                c = latest.get((rid, j))  # None: never scheduled before the interrupt
+                ids_, logps = (list(c.token_ids), list(c.logprobs or [])) if c is not None else ([], [])
+                samples.append((ids_, [logprob_of(e, t) for e, t in zip(logps, ids_)]))
+                cut.append(c is None or c.finish_reason in (None, "abort"))
+        out = to_rollout_output(samples, stops, self.pad_id, params.max_new_tokens, self.weights_version)
+        return replace(out, unfinished=torch.tensor(cut)) if any(cut) else out
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         check_newer(self.weights_version, version)

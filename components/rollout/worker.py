@@ -228,14 +228,18 @@ class RolloutWorker:
             finally:
                 self.engine_lock.acquire()
             round_ += 1
-            so_far = out.responses.shape[1]  # every unfinished sample has this many tokens
-            more = self.engine.generate(
-                [prompt_ids[r // params.n] + out.responses[r].tolist() for r in rows.tolist()],
-                replace(params, n=1, max_new_tokens=params.max_new_tokens - so_far),
-                derive_seed(seed, "continue", round_),
-                interrupt=interrupt,
-            )
-            out = continue_samples(out, rows, more, self.tokenizer.pad_token_id)
+            # the tokens each sample has (an unfinished one has no stop token: its mask covers them all); the
+            # hf engine cuts every sample at one length, a continuously batching one (vllm) may not
+            so_far = out.response_mask.sum(-1)
+            for length in so_far[rows].unique().tolist():  # one continuation per length: its own budget
+                group = rows[so_far[rows] == length]
+                more = self.engine.generate(
+                    [prompt_ids[r // params.n] + out.responses[r, :length].tolist() for r in group.tolist()],
+                    replace(params, n=1, max_new_tokens=params.max_new_tokens - length),
+                    derive_seed(seed, "continue", round_, length),
+                    interrupt=interrupt,
+                )
+                out = continue_samples(out, group, more, self.tokenizer.pad_token_id)
         return out, continued
 
     def encode(self, rows: list[dict]) -> tuple[list[list[int]], PromptImages | None]:

@@ -322,6 +322,70 @@ def test_vllm_engine_for_real_where_it_runs(vllm_ready, tmp_path, tokenizer):
     engine.close()  # its KV cache is host memory on vLLM's CPU build: the next test's engine needs it
 
 
+def after_calls(k: int):
+    """An `interrupt` that answers true from its k-th call on (after the engine's k-th step)."""
+    calls = iter(range(1, 10**6))
+    return lambda: next(calls) >= k
+
+
+def test_vllm_stops_mid_sample_when_interrupted(vllm_ready, tmp_path, tokenizer):
+    """Partial rollouts on vLLM: asked to stop after its third scheduler step, the engine returns every sample
+    it had not finished cut short (`unfinished`), holding the first tokens the uninterrupted run sampled (the
+    same seeds and schedule); never asked, it samples exactly as generate does."""
+    _, _, ids, engine = tiny_vllm(tmp_path, tokenizer)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
+    whole = engine.generate(ids, params, seed=5)
+    never = engine.generate(ids, params, seed=5, interrupt=lambda: False)
+    assert never.unfinished is None and torch.equal(never.responses, whole.responses)
+    torch.testing.assert_close(never.logprobs, whole.logprobs, atol=1e-6, rtol=0)
+    cut = engine.generate(ids, params, seed=5, interrupt=after_calls(3))
+    assert not engine.llm.llm_engine.has_unfinished_requests()  # the running samples were aborted, n each
+    lengths = cut.response_mask.sum(-1)
+    assert cut.unfinished is not None and cut.unfinished.sum() >= 12
+    assert (lengths[cut.unfinished] <= 3).all() and (
+        lengths[cut.unfinished] < whole.response_mask.sum(-1)[cut.unfinished]
+    ).all()
+    for r in range(len(lengths)):  # the tokens it has are the uninterrupted samples' first ones
+        n = int(lengths[r])
+        assert torch.equal(cut.responses[r, :n], whole.responses[r, :n])
+        torch.testing.assert_close(cut.logprobs[r, :n], whole.logprobs[r, :n], atol=1e-5, rtol=0)
+    engine.close()
+
+
+def test_vllm_rollout_worker_finishes_samples_with_the_update_that_cut_them(vllm_ready, tmp_path, tokenizer):
+    """trainer.partial_rollouts with engine.type=vllm: an update announced as the rollout starts stops it after
+    the engine's first step; the samples are finished with the new weights, flagged, each token's log-prob
+    the policy's that sampled it (the first the old policy's, the rest the new one's)."""
+    from components.rollout.completions import EngineOptions
+    from components.rollout.worker import RolloutWorker
+    from components.training.logprobs import batch_logprobs
+    from tests.components.rollout.test_worker import ROWS, announce_update_first
+
+    policy, path, _, engine = tiny_vllm(tmp_path, tokenizer)
+    engine.close()
+    options = EngineOptions(
+        dtype="float32", max_model_len=4096, enforce_eager=True, gpu_memory_utilization=0.05
+    )
+    worker = RolloutWorker(str(path), "vllm", options, partial=True)
+    gen = torch.Generator().manual_seed(1)
+    new = {k: v + 0.3 * v.std() * torch.randn(v.shape, generator=gen) for k, v in policy.state_dict().items()}
+    thread = announce_update_first(worker, new)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
+    batch = worker.generate(ROWS, params, seed=5, iteration=1, expect_version=0)
+    thread.join()
+    t, mask = batch.tensors, batch.tensors["response_mask"]
+    assert worker.weights_version() == 1 and t["sample_version"].tolist() == [0] * 16
+    assert t["partial_rollout"].tolist() == (mask.sum(-1) > 1).tolist()  # all but those that ended at once
+    assert t["partial_rollout"].sum() >= 12 and (mask.sum(-1) <= params.max_new_tokens).all()
+    old_lp = batch_logprobs(policy.eval(), batch, 1.0, None) * mask
+    policy.load_state_dict(new)
+    new_lp = batch_logprobs(policy, batch, 1.0, None) * mask
+    torch.testing.assert_close(t["rollout_logprobs"][:, 0], old_lp[:, 0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(t["rollout_logprobs"][:, 1:], new_lp[:, 1:], atol=1e-4, rtol=0)
+    assert not torch.allclose(t["rollout_logprobs"][:, 1:], old_lp[:, 1:], atol=1e-3)
+    worker.engine.close()
+
+
 def test_vllm_takes_the_adapters_alone_and_samples_as_the_trainer(vllm_ready, tmp_path, tokenizer):
     """LoRA with vLLM (engine.lora_merge_on_sync false): the engine holds the base model and receives only the
     adapter tensors after each update; its log-probs are then the adapted policy's, under a new adapter id

@@ -140,8 +140,8 @@ def test_through_ray_an_update_does_not_wait_for_the_rollout_in_flight(tiny_mode
             r"async_mode=bounded_staleness and trainer\.max_staleness=0: nothing is sampled ahead",
         ),
         (
-            ["trainer.partial_rollouts=true", "trainer.async_mode=bounded_staleness", "engine.type=vllm"],
-            r"partial_rollouts=true with engine\.type=vllm: in this version only the hf engine stops",
+            ["trainer.partial_rollouts=true", "trainer.async_mode=bounded_staleness", "engine.type=sglang"],
+            r"partial_rollouts=true with engine\.type=sglang: .* of the engines hf, vllm stop mid-way",
         ),
         (
             [
