@@ -68,7 +68,8 @@ class RolloutEngine(Protocol):
         self, prompts: list[list[int]], params: SamplingParams, seed: int, images: PromptImages | None = None
     ) -> RolloutOutput:
         """Sample params.n completions for each prompt (token ids, with a VLM's `images`); deterministic for
-        a seed."""
+        a seed. The engines in completions.INTERRUPTIBLE_ENGINES also take `interrupt`, a callable asked
+        between their steps: when it answers true they stop, the samples cut short marked `unfinished`."""
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load new policy weights; `version` must grow, so a stale engine is never sampled."""
