@@ -2,7 +2,7 @@
 max_staleness 0 is the synchronous loop exactly; one_step_off samples batch k+1 with the weights from before
 update k (the version each sample carries), overlaps it with the update, and a run that fails after a
 checkpoint resumes to the uninterrupted run's model bit for bit (the rollout sampled ahead, with weights the
-checkpoint does not hold, is in it)."""
+checkpoint does not hold, is in it), and so does a bounded_staleness run with two batches in flight."""
 
 from __future__ import annotations
 
@@ -83,25 +83,43 @@ def test_one_step_off_samples_with_the_weights_before_the_update_beside_it(one_s
     assert all(0.5 < w < 2.0 for w in weights)  # importance weights to the policy one version on
 
 
-def test_a_one_step_off_run_that_fails_resumes_to_the_uninterrupted_model(start, one_step_off, monkeypatch):
+def fail_then_resume(start, monkeypatch, name: str, at: int, *extra: str) -> dict:
+    """A run that fails in iteration `at`, after checkpoint at - 1, then run again: the resumed run's info."""
     import flows.train as train_module
 
     real = train_module.compute_advantages
 
-    def fail_at_last(batch, *args):
-        if batch.meta["iteration"] == ITERATIONS:
-            raise RuntimeError("injected failure in the last iteration")
+    def fail(batch, *args):
+        if batch.meta["iteration"] == at:
+            raise RuntimeError(f"injected failure in iteration {at}")
         return real(batch, *args)
 
-    monkeypatch.setattr(train_module, "compute_advantages", fail_at_last)
-    with pytest.raises(RuntimeError, match="injected failure"):  # after checkpoint 1, which holds batch 2
-        train(start, "failed", "trainer.async_mode=one_step_off")
+    monkeypatch.setattr(train_module, "compute_advantages", fail)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train(start, name, *extra)
     root, _ = start
-    assert latest_checkpoint(root / "failed") == f"iter_{ITERATIONS - 1:06d}"
+    assert latest_checkpoint(root / name) == f"iter_{at - 1:06d}"
     monkeypatch.setattr(train_module, "compute_advantages", real)
-    resumed = train(start, "failed", "trainer.async_mode=one_step_off")
+    return train(start, name, *extra)
+
+
+def test_a_one_step_off_run_that_fails_resumes_to_the_uninterrupted_model(start, one_step_off, monkeypatch):
+    # checkpoint 1 holds batch 2, sampled ahead with the weights from before update 1
+    resumed = fail_then_resume(start, monkeypatch, "failed", ITERATIONS, "trainer.async_mode=one_step_off")
     assert history(resumed, "critic/score/mean") == history(one_step_off, "critic/score/mean")
     assert same_model(one_step_off, resumed)
+
+
+def test_a_bounded_staleness_run_that_fails_resumes_to_the_uninterrupted_model(start, monkeypatch):
+    # two batches sampled ahead (max_staleness 2): checkpoint 1 holds batches 2 and 3, the second sampled with
+    # weights no checkpoint holds; the resumed run trains on them and ends where the uninterrupted one does
+    mode = ["trainer.async_mode=bounded_staleness", "trainer.max_staleness=2", "trainer.iterations=3"]
+    whole = train(start, "bounded", *mode)
+    assert history(whole, "async/staleness/max") == [0.0, 1.0, 2.0]
+    resumed = fail_then_resume(start, monkeypatch, "bounded_failed", 2, *mode)
+    for key in ("critic/score/mean", "async/staleness/max", "async/dropped_samples"):
+        assert history(resumed, key) == history(whole, key), key
+    assert same_model(whole, resumed)
 
 
 def test_lora_adapters_reach_an_engine_of_its_own(start):
