@@ -309,7 +309,7 @@ MODES = {
         "trainer.max_staleness=2",
         "algorithm.rollout_correction.mode=tis",
     ],
-    # bounded_staleness whose updates land mid-rollout, between two of its chunks
+    # bounded_staleness whose updates land mid-rollout, between two of its decode steps
     "partial": [
         "trainer.async_mode=bounded_staleness",
         "trainer.max_staleness=2",
