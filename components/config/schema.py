@@ -561,9 +561,8 @@ class TrainerConfig(Section):
         False,
         description="bounded_staleness with the hf or vllm engine: an update's weights reach the engine at "
         "once; a rollout in flight stops its samples after the current decode (vllm: scheduler) step, loads "
-        "them, and finishes its "
-        "samples with them (flagged partial_rollout; async/partial_samples). Where updates land depends on "
-        "timing: a run is no longer reproducible bit for bit",
+        "them, and finishes its samples with them (flagged partial_rollout; async/partial_samples). Where "
+        "updates land depends on timing: a run is no longer reproducible bit for bit",
     )
     min_workers: int = Field(
         1,

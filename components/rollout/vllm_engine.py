@@ -158,22 +158,24 @@ class VLLMEngine:
         # the engine's own add_request: LLM.generate and LLM.enqueue make every request report only its end
         engine, latest = self.llm.llm_engine, {}  # (request id, sample index) -> its completion so far
         self._requests += 1
-        ids = [f"partial-{self._requests}-{i}" for i in range(len(requests))]
-        for rid, request in zip(ids, requests, strict=True):
-            engine.add_request(rid, request, sp, lora_request=self.lora_request)
-        while engine.has_unfinished_requests():
-            for request in engine.step():
-                for c in request.outputs:
-                    latest[(request.request_id, c.index)] = c
-            if engine.has_unfinished_requests() and interrupt():
-                engine.abort_request(list(ids))  # those already finished are no longer tracked
-                break
+        request_ids = [f"partial-{self._requests}-{i}" for i in range(len(requests))]
+        try:
+            for rid, request in zip(request_ids, requests, strict=True):
+                engine.add_request(rid, request, sp, lora_request=self.lora_request)
+            while engine.has_unfinished_requests():
+                for request in engine.step():
+                    for c in request.outputs:
+                        latest[(request.request_id, c.index)] = c
+                if engine.has_unfinished_requests() and interrupt():
+                    break
+        finally:  # interrupted, or failed: nothing of this call is left running (finished ones are untracked)
+            engine.abort_request(request_ids)
         samples, cut = [], []
-        for rid in ids:
+        for rid in request_ids:
             for j in range(params.n):
                 c = latest.get((rid, j))  # None: never scheduled before the interrupt
-                ids_, logps = (list(c.token_ids), list(c.logprobs or [])) if c is not None else ([], [])
-                samples.append((ids_, [logprob_of(e, t) for e, t in zip(logps, ids_)]))
+                tokens, logps = (list(c.token_ids), list(c.logprobs or [])) if c is not None else ([], [])
+                samples.append((tokens, [logprob_of(e, t) for e, t in zip(logps, tokens)]))
                 cut.append(c is None or c.finish_reason in (None, "abort"))
         out = to_rollout_output(samples, stops, self.pad_id, params.max_new_tokens, self.weights_version)
         return replace(out, unfinished=torch.tensor(cut)) if any(cut) else out
