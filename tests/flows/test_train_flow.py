@@ -115,6 +115,7 @@ def test_what_the_prefect_ui_shows_is_there(pipeline_run):
     """The flow run: task runs named after their iteration, the per-iteration line in its logs, an artifact
     for each evaluation."""
     import asyncio
+    import time
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, LogFilter, LogFilterFlowRunId
@@ -134,8 +135,13 @@ def test_what_the_prefect_ui_shows_is_there(pipeline_run):
         f"{s}[it={i}]" for s in ("gen", "reward", "adv", "update-actor") for i in range(1, ITERATIONS + 1)
     }
     assert expected <= task_runs(flow_run_id, expected).keys()
-    logs, arts = asyncio.run(read())
-    assert any(m.message.startswith(f"iter {ITERATIONS}/{ITERATIONS}") for m in logs)
+    last_line, deadline = f"iter {ITERATIONS}/{ITERATIONS}", time.monotonic() + 60
+    while True:  # Prefect ships run logs in batches, every few seconds: the last may land after the flow
+        logs, arts = asyncio.run(read())
+        if any(m.message.startswith(last_line) for m in logs) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert any(m.message.startswith(last_line) for m in logs)
     evaluations = [a for a in arts if a.key == "evaluation"]
     assert len(evaluations) == 2 and "Greedy answers" in evaluations[0].data
 
