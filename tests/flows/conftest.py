@@ -28,26 +28,33 @@ def prefect_harness(prefect_api):
     yield
 
 
-def task_runs(flow_run_id, expected=(), timeout_s: float = 60.0) -> dict:
-    """{task run name: task run} of a flow run, read from the Prefect server until it holds every name in
-    `expected` and all are in a final state (or `timeout_s` passes). Task run states reach the server as
-    events after the run returns, and the server runs niced: under load the last ones land seconds later."""
+def poll(read, done, timeout_s: float = 60.0):
+    """read() again every half second until done(what it read) or `timeout_s` passes; the last read. For what
+    the Prefect server records after a flow returns: task run states arrive as events and run logs in batches
+    every few seconds, and the server runs niced, so under load the last ones land seconds later."""
     import time
 
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if done(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)
+
+
+def task_runs(flow_run_id, expected=(), timeout_s: float = 60.0) -> dict:
+    """{task run name: task run} of a flow run, read from the Prefect server until it holds every name in
+    `expected` and all are in a final state (or `timeout_s` passes)."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    deadline, runs = time.monotonic() + timeout_s, {}
+    runs_of_flow = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
     with get_client(sync_client=True) as client:
-        while True:
-            found = client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-            )
-            runs = {r.name: r for r in found}
-            done = all(name in runs and runs[name].state and runs[name].state.is_final() for name in expected)
-            if done or time.monotonic() > deadline:
-                return runs
-            time.sleep(0.5)
+        return poll(
+            lambda: {r.name: r for r in client.read_task_runs(flow_run_filter=runs_of_flow)},
+            lambda runs: all(n in runs and runs[n].state and runs[n].state.is_final() for n in expected),
+            timeout_s,
+        )
 
 
 def small_overrides(root, iterations=4) -> list[str]:

@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from components.models.loading import load_model
 from components.tracking import checkpoints
-from tests.flows.conftest import run_dir, sft_ready, small_overrides, task_runs
+from tests.flows.conftest import poll, run_dir, sft_ready, small_overrides, task_runs
 
 pytestmark = pytest.mark.slow
 
@@ -115,7 +115,6 @@ def test_what_the_prefect_ui_shows_is_there(pipeline_run):
     """The flow run: task runs named after their iteration, the per-iteration line in its logs, an artifact
     for each evaluation."""
     import asyncio
-    import time
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, LogFilter, LogFilterFlowRunId
@@ -135,13 +134,13 @@ def test_what_the_prefect_ui_shows_is_there(pipeline_run):
         f"{s}[it={i}]" for s in ("gen", "reward", "adv", "update-actor") for i in range(1, ITERATIONS + 1)
     }
     assert expected <= task_runs(flow_run_id, expected).keys()
-    last_line, deadline = f"iter {ITERATIONS}/{ITERATIONS}", time.monotonic() + 60
-    while True:  # Prefect ships run logs in batches, every few seconds: the last may land after the flow
-        logs, arts = asyncio.run(read())
-        if any(m.message.startswith(last_line) for m in logs) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert any(m.message.startswith(last_line) for m in logs)
+    last_line = f"iter {ITERATIONS}/{ITERATIONS}"
+
+    def has_last_line(read_back) -> bool:
+        return any(m.message.startswith(last_line) for m in read_back[0])
+
+    logs, arts = poll(lambda: asyncio.run(read()), has_last_line)  # logs reach the server in batches
+    assert has_last_line((logs, arts))
     evaluations = [a for a in arts if a.key == "evaluation"]
     assert len(evaluations) == 2 and "Greedy answers" in evaluations[0].data
 
