@@ -225,12 +225,13 @@ def to_rollout_output(
 def request_completions(request_outputs) -> list[tuple[list[int], list[float]]]:
     """RequestOutputs as vLLM and TensorRT-LLM both return them (one per prompt; `.outputs` = its n completions,
     each with `.token_ids` and `.logprobs`) -> per-sample (ids, log-probs), row i*n + j = sample j of prompt i."""
-    samples = []
-    for request in request_outputs:
-        for c in request.outputs:
-            ids = list(c.token_ids)
-            samples.append((ids, [logprob_of(e, t) for e, t in zip(c.logprobs or [], ids)]))
-    return samples
+    return [completion_sample(c) for request in request_outputs for c in request.outputs]
+
+
+def completion_sample(completion) -> tuple[list[int], list[float]]:
+    """One completion (`.token_ids`, `.logprobs`: vLLM's and TensorRT-LLM's) -> (ids, log-probs of those ids)."""
+    ids = list(completion.token_ids)
+    return ids, [logprob_of(e, t) for e, t in zip(completion.logprobs or [], ids)]
 
 
 def logprob_of(entry, token_id: int) -> float:

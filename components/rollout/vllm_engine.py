@@ -20,8 +20,8 @@ from components.rollout.base import PromptImages, RolloutOutput, SamplingParams,
 from components.rollout.completions import (
     AdapterDirs,
     EngineOptions,
+    completion_sample,
     context_length,
-    logprob_of,
     lora_slots,
     request_completions,
     require,
@@ -174,8 +174,7 @@ class VLLMEngine:
         for rid in request_ids:
             for j in range(params.n):
                 c = latest.get((rid, j))  # None: never scheduled before the interrupt
-                tokens, logps = (list(c.token_ids), list(c.logprobs or [])) if c is not None else ([], [])
-                samples.append((tokens, [logprob_of(e, t) for e, t in zip(logps, tokens)]))
+                samples.append(completion_sample(c) if c is not None else ([], []))
                 cut.append(c is None or c.finish_reason in (None, "abort"))
         out = to_rollout_output(samples, stops, self.pad_id, params.max_new_tokens, self.weights_version)
         return replace(out, unfinished=torch.tensor(cut)) if any(cut) else out
