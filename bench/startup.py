@@ -1,7 +1,10 @@
 """A training process's start-up: process start -> first rollout, by phase, for `reinforge train` (Prefect's
 server and Ray started while the flow's modules import; the workers start while the inputs are checked)
 against `python -m flows.train` (the same flow, the services started when it needs them), alternated,
-medians of the timing_s/startup/* metrics each run logs to MLflow.
+medians of the timing_s/startup/* metrics each run logs to MLflow; and where the machine's CPU went until the
+first rollout, by process (the driver, Prefect's server, Ray's own services, Ray's workers), sampled from the
+process tree: on a machine whose cores are busy all through the start-up, their sum over the cores is the
+least wall time that start-up can take without cutting work.
 
     python -m bench.startup               # 3 runs of each, 1 iteration each, on the default config
     python -m bench.startup --reps 5
@@ -20,10 +23,83 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import psutil
+
 PHASES = ("imports", "prefect", "setup", "workers", "first_gen")
+# which part of the start-up a process is, by its command line, first match wins; the process started is
+# "driver", any other "other"
+ROLES = (
+    ("prefect.server", "prefect server"),
+    ("ray::DashboardAgent", "ray services"),
+    ("ray::RuntimeEnvAgent", "ray services"),
+    ("ray::", "ray workers"),  # an actor's process, named after its class
+    ("default_worker.py", "ray workers"),  # an idle (warmed) worker
+    ("/ray/", "ray services"),  # gcs_server, raylet, the monitors, the minimal dashboard
+)
+CPU_COLUMNS = ("driver", "prefect server", "ray services", "ray workers", "other")
+
+
+def role_of(cmdline: str) -> str:
+    return next((role for part, role in ROLES if part in cmdline), "other")
+
+
+class CpuTimeline:
+    """The cumulative CPU seconds (user + system) of a process and each of its descendants, sampled every
+    `interval_s` in a thread while the `with` block runs: samples[i] = (time.time(), {pid: (role, cpu_s)})."""
+
+    def __init__(self, pid: int, interval_s: float = 0.2):
+        self.root, self.interval_s = psutil.Process(pid), interval_s
+        self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        now, seen = time.time(), {}
+        try:
+            procs = [self.root, *self.root.children(recursive=True)]
+        except psutil.Error:  # the run has ended
+            return
+        for proc in procs:
+            try:
+                t = proc.cpu_times()
+                role = "driver" if proc.pid == self.root.pid else role_of(" ".join(proc.cmdline()))
+            except psutil.Error:  # ended since the listing
+                continue
+            seen[proc.pid] = (role, t.user + t.system)
+        self.samples.append((now, seen))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> CpuTimeline:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def cpu_by_role(samples: list[tuple[float, dict[int, tuple[str, float]]]], until: float) -> dict[str, float]:
+    """CPU seconds each role had used by `until` (time.time()): each process's last sample before it, summed
+    by role (the role it had then: a warmed worker becomes its actor). A process's CPU after its last sample
+    (up to `interval_s` of it) is not counted."""
+    last: dict[int, tuple[str, float]] = {}
+    for at, seen in samples:
+        if at > until:
+            break
+        last.update(seen)
+    out: dict[str, float] = {}
+    for role, cpu in last.values():
+        out[role] = out.get(role, 0.0) + cpu
+    return out
+
+
 ENTRIES = {
     "reinforge train": [sys.executable, "-m", "flows.cli", "train"],
     "python -m flows.train": [sys.executable, "-m", "flows.train"],
@@ -48,15 +124,25 @@ def one_run(cmd: list[str], cwd: str | None = None) -> dict[str, float]:
 
     env = {**os.environ, "MLFLOW_TRACKING_URI": default_tracking_uri()}
     started = time.time()
-    res = subprocess.run(
-        [*cmd, *OVERRIDES, "--json"], capture_output=True, text=True, timeout=600, cwd=cwd, env=env
+    proc = subprocess.Popen(
+        [*cmd, *OVERRIDES, "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env=env,
     )
+    with CpuTimeline(proc.pid) as cpu:
+        out, err = proc.communicate(timeout=600)
     wall = time.time() - started
-    if res.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
-    run_id = json.loads(res.stdout[res.stdout.index("{") :])["run_id"]
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{err[-3000:]}")
+    run_id = json.loads(out[out.index("{") :])["run_id"]
     metrics = MlflowClient(default_tracking_uri()).get_run(run_id).data.metrics
-    return {p: metrics[f"timing_s/startup/{p}"] for p in PHASES} | {"process_wall": wall}
+    phases = {p: metrics[f"timing_s/startup/{p}"] for p in PHASES}
+    first_gen = started + phases["first_gen"]  # Popen's instant stands for the process's start
+    used = cpu_by_role(cpu.samples, first_gen)
+    return phases | {"process_wall": wall} | {f"cpu:{r}": used.get(r, 0.0) for r in CPU_COLUMNS}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,6 +181,14 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"against {name}: {ours['first_gen']:.2f} s vs {other:.2f} s ({ours['first_gen'] / other:.2f}x)"
         )
+    cores = len(os.sched_getaffinity(0))
+    print(f"\nmedian CPU seconds until the first rollout, by process ({cores} cores)")
+    print(f"{'':<{width}}" + "".join(f"{c:>16}" for c in (*CPU_COLUMNS, "total", "total / cores")))
+    for name, runs in results.items():
+        used = {c: statistics.median(r[f"cpu:{c}"] for r in runs) for c in CPU_COLUMNS}
+        total = statistics.median(sum(r[f"cpu:{c}"] for c in CPU_COLUMNS) for r in runs)
+        figures = (*used.values(), total, total / cores)
+        print(f"{name:<{width}}" + "".join(f"{v:>16.2f}" for v in figures))
 
 
 if __name__ == "__main__":

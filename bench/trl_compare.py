@@ -518,7 +518,17 @@ def main(argv: list[str] | None = None) -> None:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     Path(a.doc).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.doc).write_text(text)
+    Path(a.doc).write_text(with_kept_notes(text, Path(a.doc)))
+
+
+# in the report file, what follows this line is written by hand and kept when a run rewrites the tables
+NOTES_MARK = "<!-- written by hand: bench.trl_compare keeps everything below this line -->"
+
+
+def with_kept_notes(text: str, doc: Path) -> str:
+    """`text` (a run's tables), then the hand-written notes of the report it replaces, from NOTES_MARK on."""
+    old = doc.read_text() if doc.exists() else ""
+    return text if NOTES_MARK not in old else f"{text.rstrip()}\n\n{old[old.index(NOTES_MARK) :]}"
 
 
 def orchestration(stages: dict) -> tuple[float, float]:

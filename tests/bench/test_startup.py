@@ -1,0 +1,45 @@
+"""bench/startup.py's CPU accounting: which process a command line is, and the CPU each had used by an instant."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from bench.startup import CpuTimeline, cpu_by_role, role_of
+
+
+def test_each_process_of_a_start_up_gets_its_role():
+    venv = "/x/.venv/lib/python3.11/site-packages"
+    assert role_of(f"{venv}/ray/core/src/ray/gcs/gcs_server --log_dir=/tmp/ray") == "ray services"
+    assert role_of(f"python -u {venv}/ray/_private/log_monitor.py --session-dir=x") == "ray services"
+    assert role_of("ray::DashboardAgent") == "ray services"
+    assert role_of("ray::PolicyWorker.update") == "ray workers"
+    assert (
+        role_of(f"python {venv}/ray/_private/workers/default_worker.py --node-ip-address=1") == "ray workers"
+    )
+    assert role_of("python -m uvicorn --factory prefect.server.api.server:create_app") == "prefect server"
+    assert role_of("/usr/bin/bwrap --unshare-all") == "other"
+
+
+def test_cpu_by_role_takes_each_process_s_last_sample_before_the_instant():
+    samples = [
+        (1.0, {1: ("driver", 0.5), 2: ("ray workers", 0.1)}),
+        (2.0, {1: ("driver", 1.5), 3: ("prefect server", 0.7), 4: ("ray workers", 0.2)}),
+        (3.0, {1: ("driver", 2.5), 3: ("prefect server", 0.9)}),
+    ]
+    # process 2 ended after its first sample: its CPU then still counts; nothing of the sample at 3.0 does
+    assert cpu_by_role(samples, until=2.5) == {"driver": 1.5, "ray workers": 0.1 + 0.2, "prefect server": 0.7}
+    assert cpu_by_role(samples, until=0.5) == {}
+
+
+def test_the_timeline_sees_the_cpu_of_a_process_and_its_child():
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
+    # the driver burns 0.6 CPU-s, then starts a child that burns 0.6 more and waits for it
+    code = f"import subprocess, sys\n{burn}subprocess.run([sys.executable, '-c', {burn!r} + '#ray::Child'])"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    with CpuTimeline(proc.pid, interval_s=0.05) as cpu:
+        proc.wait(timeout=60)
+    used = cpu_by_role(cpu.samples, until=time.time())
+    assert 0.3 <= used["driver"] <= 1.5, used  # less than the burn: CPU after the last sample is lost
+    assert 0.3 <= used["ray workers"] <= 1.5, used  # `ray::` in its command line, as Ray names its actors
