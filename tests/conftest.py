@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 
+from components.env import apply_defaults
+
+# the defaults every entry point sets (components/env.py), before any test module imports Prefect: Prefect
+# reads its logging settings once, when imported, and the run loggers' INFO level is what sends each
+# iteration's line to the server; a test module that imported Prefect first kept every later flow run's logs
+# off it
+apply_defaults()
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
