@@ -1,4 +1,5 @@
-"""Peak resident memory sampled in a background thread while a block runs: the benchmarks' one sampler."""
+"""What the benchmarks sample in a background thread while a block runs: peak resident memory (here) and the
+start-up's CPU time (bench/startup.py), on one sampling loop."""
 
 from __future__ import annotations
 
@@ -8,25 +9,20 @@ from collections.abc import Callable
 import psutil
 
 
-class PeakSampler:
-    """Element-wise peak of `measure()` (a list of byte counts) sampled every `interval_s` while the `with`
-    block runs; `start` holds the first sample. A process that ends between two samples skips that sample."""
+class BackgroundSampler:
+    """Calls `sample()` every `interval_s` in a thread while the `with` block runs."""
 
-    def __init__(self, measure: Callable[[], list[int]], interval_s: float):
-        self.measure, self.interval_s = measure, interval_s
-        self.start = list(measure())
-        self.peak = list(self.start)
-        self._stop = threading.Event()
+    interval_s: float
+
+    def sample(self) -> None:
+        raise NotImplementedError
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
-                values = self.measure()
-            except psutil.Error:
-                continue
-            self.peak = [max(p, v) for p, v in zip(self.peak, values)]
+            self.sample()
 
-    def __enter__(self) -> PeakSampler:
+    def __enter__(self):
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -34,6 +30,23 @@ class PeakSampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+
+class PeakSampler(BackgroundSampler):
+    """Element-wise peak of `measure()` (a list of byte counts) sampled every `interval_s` while the `with`
+    block runs; `start` holds the first sample. A process that ends between two samples skips that sample."""
+
+    def __init__(self, measure: Callable[[], list[int]], interval_s: float):
+        self.measure, self.interval_s = measure, interval_s
+        self.start = list(measure())
+        self.peak = list(self.start)
+
+    def sample(self) -> None:
+        try:
+            values = self.measure()
+        except psutil.Error:
+            return
+        self.peak = [max(p, v) for p, v in zip(self.peak, values)]
 
 
 def rss_of(pids: list[int]) -> Callable[[], list[int]]:

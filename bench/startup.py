@@ -23,11 +23,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import psutil
+
+from bench.memory import BackgroundSampler
 
 PHASES = ("imports", "prefect", "setup", "workers", "first_gen")
 # which part of the start-up a process is, by its command line, first match wins; the process started is
@@ -47,16 +48,15 @@ def role_of(cmdline: str) -> str:
     return next((role for part, role in ROLES if part in cmdline), "other")
 
 
-class CpuTimeline:
+class CpuTimeline(BackgroundSampler):
     """The cumulative CPU seconds (user + system) of a process and each of its descendants, sampled every
     `interval_s` in a thread while the `with` block runs: samples[i] = (time.time(), {pid: (role, cpu_s)})."""
 
     def __init__(self, pid: int, interval_s: float = 0.2):
         self.root, self.interval_s = psutil.Process(pid), interval_s
         self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
-        self._stop = threading.Event()
 
-    def _sample(self) -> None:
+    def sample(self) -> None:
         now, seen = time.time(), {}
         try:
             procs = [self.root, *self.root.children(recursive=True)]
@@ -70,19 +70,6 @@ class CpuTimeline:
                 continue
             seen[proc.pid] = (role, t.user + t.system)
         self.samples.append((now, seen))
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
-
-    def __enter__(self) -> CpuTimeline:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def cpu_by_role(samples: list[tuple[float, dict[int, tuple[str, float]]]], until: float) -> dict[str, float]:
