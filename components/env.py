@@ -30,6 +30,21 @@ DEFAULTS = {
 }
 
 
+def checkout_root() -> Path:
+    """The checkout whose MLflow store a run logs to. A DVC stage names it in DVC_ROOT: `dvc exp run --temp`
+    and `--queue` train in a copy under .dvc/tmp/exps/, deleted afterwards, and DVC_ROOT is the checkout the
+    experiment was started from. Anything else: this package's checkout."""
+    root = os.environ.get("DVC_ROOT")
+    return Path(root).resolve() if root else PROJECT_ROOT
+
+
+def dvc_experiment() -> dict[str, str]:
+    """The DVC experiment this process runs in (`dvc exp run`): its name and baseline commit, as DVC's own
+    variables give them; empty outside one."""
+    name, rev = os.environ.get("DVC_EXP_NAME"), os.environ.get("DVC_EXP_BASELINE_REV")
+    return {"name": name, "baseline_rev": rev or ""} if name else {}
+
+
 def apply_defaults() -> None:
     for key, value in DEFAULTS.items():
         os.environ.setdefault(key, value)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
-import re
 import sys
 import traceback
 
 from components.errors import ReinforgeError
 from components.services import check_services, prefect_server_pid, prefect_server_started
+from flows import _logs
 
 SERVER_NICE_ENV = "REINFORGE_PREFECT_SERVER_NICE"  # niceness of Prefect's in-process server; 0 = leave it
 
@@ -62,30 +61,6 @@ def check_config(path: str, overrides: list[str], debug: bool = False) -> int:
     return 0
 
 
-class _UserErrorFilter(logging.Filter):
-    """Drops Prefect's console records of a run that failed on one of our errors (its traceback, and the
-    'Finished in state Failed(... ConfigError ...)' lines): the CLI prints that error once, as one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        if record.exc_info and isinstance(record.exc_info[1], ReinforgeError):
-            return False
-        names = "|".join(cls.__name__ for cls in _subclasses(ReinforgeError))
-        return re.search(rf"\b({names})\b", record.getMessage()) is None
-
-
-def _subclasses(cls: type) -> list[type]:
-    return [cls] + [s for sub in cls.__subclasses__() for s in _subclasses(sub)]
-
-
-def quiet_user_errors() -> None:
-    """Install _UserErrorFilter on the console handlers Prefect set up (the root logger's)."""
-    for handler in logging.getLogger().handlers:
-        if not any(isinstance(f, _UserErrorFilter) for f in handler.filters):
-            handler.addFilter(_UserErrorFilter())
-
-
 def summary(result: object) -> str:
     """A stage's result for a person: its top-level scalars, a line each (nested parts are behind --json)."""
     if not isinstance(result, dict):
@@ -106,8 +81,8 @@ def run_cli(fn, *args, debug: bool = False, as_json: bool = False, **kwargs) -> 
     from components.shutdown import install_signal_handlers, wait_if_stopping
 
     install_signal_handlers()
-    if not debug:
-        quiet_user_errors()
+    if not debug:  # the error is printed once, below: the terminal gets no copy of it from Prefect's logs
+        _logs.install(keep_own_on_console=False)
     try:
         prefect_server_started()  # when `reinforge` started it while the flow's modules were imported
         result = fn(*args, **kwargs)

@@ -9,11 +9,13 @@ from prefect import flow
 from components.config import load_config
 from flows import parsers
 from flows._args import check_config, run_cli
+from flows._logs import one_line_errors
 from tasks.caching import run_stage
 from tasks.data import clean_data, prepare_data
 
 
 @flow(name="rl-data")
+@one_line_errors
 def data_flow(
     config: str = "configs/arith_grpo.yaml",
     overrides: list[str] | None = None,

@@ -1,4 +1,9 @@
-"""pipelines.yaml -> Prefect deployments (served in-process, or on a work pool)."""
+"""pipelines.yaml -> Prefect deployments (served in-process, on a work pool, or Prefect's own prefect.yaml).
+
+A triggered training deployment trains a new run each time, as the nightly does
+(`trainer.when_finished=retrain`, shown in its parameters): `prefect deployment run 'rl-train/arith-grpo'` after
+`make run` trains again instead of failing on the finished run. The CLI keeps its refuse-or-extend default.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from components.errors import ConfigError
 
@@ -27,6 +32,18 @@ class Schedule(BaseModel):
     cron: str = Field(description="cron expression, e.g. '0 2 * * *'")
     timezone: str = Field("UTC", description="timezone of the cron")
 
+    @model_validator(mode="after")
+    def is_valid(self) -> Schedule:
+        # Prefect's own schedule type checks the cron fields and the timezone, as the server would
+        from prefect.client.schemas.schedules import CronSchedule
+
+        try:
+            CronSchedule(cron=self.cron, timezone=self.timezone)
+        except ValidationError as exc:
+            reason = exc.errors()[0]["msg"].removeprefix("Value error, ")
+            raise ValueError(f"cron {self.cron!r} in timezone {self.timezone!r}: {reason}") from None
+        return self
+
 
 class Pipeline(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -42,6 +59,16 @@ class Pipeline(BaseModel):
 class PipelinesFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     pipelines: list[Pipeline]
+
+    @field_validator("pipelines")
+    @classmethod
+    def names_are_unique(cls, pipelines: list[Pipeline]) -> list[Pipeline]:
+        # two deployments of one name: the second would silently replace the first
+        names = [p.name for p in pipelines]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"pipeline names must be unique; {', '.join(twice)} appears more than once")
+        return pipelines
 
 
 def load_pipelines(path: str | Path = PROJECT_ROOT / "pipelines.yaml") -> list[Pipeline]:
@@ -66,10 +93,19 @@ def flow_of(p: Pipeline):
     return getattr(importlib.import_module(module), attr)
 
 
+RETRAIN = (
+    "trainer.when_finished=retrain"  # a triggered training run trains anew (components/tracking/runs.py)
+)
+
+
 def parameters_of(p: Pipeline) -> dict[str, Any]:
+    """The flow run's parameters: the pipeline's, its config, its name and version; a training deployment's
+    overrides start with RETRAIN (the pipeline's own overrides come after it, and win)."""
     params = {"config": p.config, **p.parameters}
     if p.flow in ("train", "nightly"):
         params.update(pipeline=p.name, pipeline_version=p.version)
+    if p.flow == "train":
+        params["overrides"] = [RETRAIN, *(params.get("overrides") or [])]
     return params
 
 
@@ -78,6 +114,49 @@ def schedule_of(p: Pipeline):
     from prefect.schedules import Cron
 
     return Cron(p.schedule.cron, timezone=p.schedule.timezone)
+
+
+def entrypoint(p: Pipeline) -> str:
+    """The flow as Prefect names it in a deployment: flows/train.py:train_flow."""
+    return FLOWS[p.flow].replace(".", "/", 1).replace(":", ".py:", 1)
+
+
+PREFECT_YAML = PROJECT_ROOT / "prefect.yaml"
+WORK_POOL = "reinforge"  # prefect.yaml's work pool: `prefect work-pool create reinforge --type process`
+
+
+def prefect_yaml(pipelines: list[Pipeline]) -> dict[str, Any]:
+    """Prefect's own deployment file for the same pipelines (`prefect deploy --all`, then a worker of the
+    `reinforge` process pool runs them). No pull step: `prefect deploy` records the directory it is run
+    from, so a worker on this machine runs the checkout; docs/deployments.md shows a git_clone pull step for
+    workers elsewhere."""
+    deployments = []
+    for p in pipelines:
+        d: dict[str, Any] = {
+            "name": p.name,
+            "version": p.version,
+            "description": p.description,
+            "entrypoint": entrypoint(p),
+            "tags": [f"pipeline:{p.name}"],
+            "parameters": parameters_of(p),
+            "work_pool": {"name": WORK_POOL},
+        }
+        if p.schedule:
+            d["schedules"] = [{"cron": p.schedule.cron, "timezone": p.schedule.timezone}]
+        deployments.append(d)
+    import prefect
+
+    return {"name": "reinforge", "prefect-version": prefect.__version__, "deployments": deployments}
+
+
+def prefect_yaml_text(pipelines: list[Pipeline]) -> str:
+    header = (
+        "# Generated from pipelines.yaml by `reinforge deploy --write-prefect-yaml`: edit pipelines.yaml, then\n"
+        "# run that again (a test fails when this file is out of date). With a Prefect server:\n"
+        "#   prefect work-pool create reinforge --type process && prefect --no-prompt deploy --all\n"
+        "#   prefect worker start --pool reinforge\n"
+    )
+    return header + yaml.safe_dump(prefect_yaml(pipelines), sort_keys=False, width=100)
 
 
 def to_deployments(pipelines: list[Pipeline]) -> list:
@@ -103,8 +182,7 @@ def deploy(pipelines: list[Pipeline], mode: str = "serve", work_pool: str | None
     names = [f"{flow_of(p).name}/{p.name}" for p in pipelines]
     if work_pool:
         for p in pipelines:
-            entry = FLOWS[p.flow].replace(".", "/", 1).replace(":", ".py:", 1)
-            src = flow_of(p).from_source(source=str(PROJECT_ROOT), entrypoint=entry)
+            src = flow_of(p).from_source(source=str(PROJECT_ROOT), entrypoint=entrypoint(p))
             src.deploy(
                 name=p.name,
                 work_pool_name=work_pool,

@@ -6,13 +6,17 @@ import sys
 
 from components.errors import ReinforgeError
 from flows import parsers
-from flows.deploy import deploy, load_pipelines
+from flows.deploy import PREFECT_YAML, deploy, load_pipelines, prefect_yaml_text
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parsers.deploy().parse_args(argv)
     try:
         pipelines = [x for x in load_pipelines(a.file) if not a.only or x.name in a.only]
+        if a.write_prefect_yaml:
+            PREFECT_YAML.write_text(prefect_yaml_text(pipelines))
+            print(PREFECT_YAML)
+            return 0
         names = deploy(pipelines, "apply" if a.apply else "serve", a.work_pool)
     except ReinforgeError as exc:
         print(f"error: {exc}", file=sys.stderr)

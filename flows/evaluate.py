@@ -16,12 +16,14 @@ from components.progress import progress_bar
 from components.tracking import runs
 from flows import parsers
 from flows._args import check_config, report, run_cli
+from flows._logs import one_line_errors
 from tasks.caching import run_stage
 from tasks.evaluate import evaluate_model, write_eval
 from tasks.tracking import finished_run_info
 
 
 @flow(name="rl-evaluate")
+@one_line_errors
 def evaluate_flow(
     config: str = "configs/arith_grpo.yaml",
     overrides: list[str] | None = None,
@@ -46,11 +48,12 @@ def evaluate_flow(
             advance(info=f"{name} acc {results[name]['acc']:.3f}")
     results.update(iterations=run.get("iterations"), train_wall_seconds=run.get("wall_seconds"))
     results["gain"] = {"acc": results["final"]["acc"] - results["sft"]["acc"]}
-    write_eval(results, output, run)
+    write_eval(results, output, run, cfg.data.eval_path)
     return results
 
 
 @flow(name="rl-evaluate-model")
+@one_line_errors
 def evaluate_one_flow(
     model_path: str,
     eval_data: str,

@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 import sys
 
-from components.data.prompts import MESSAGES, PromptSettings, check_fits, prompt_form
+from components.data.prompts import MESSAGES, PromptSettings, prompt_form
 from components.errors import ConfigError, ReinforgeError
-from components.rollout.base import SamplingParams
-from components.rollout.worker import RolloutWorker
-from components.tracking import runs
+from components.generation import Completer
 from flows import parsers
 from flows._args import report
 
@@ -23,19 +21,8 @@ def generate(
     seed: int,
     settings: PromptSettings = PromptSettings(),
 ) -> list[dict]:
-    """params.n completions of each prompt (a plain string, or a list of chat messages)."""
-    worker = RolloutWorker(str(runs.model_dir(model_path)), key="--model_path", prompts=settings)
-    for prompt in prompts:
-        check_fits(worker.tokenizer, prompt_form(prompt), settings, "the command line")
-    rows = [
-        {"prompt": p, "reward_model": {"ground_truth": ""}, "data_source": "cli", "extra_info": {}}
-        for p in prompts
-    ]
-    batch = worker.generate(
-        rows, SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens), seed, iteration=0
-    )
-    texts = worker.decode(batch)
-    return [{"prompt": prompts[i // n], "completion": texts[i]} for i in range(len(texts))]
+    """n completions of each prompt (a plain string, or a list of chat messages)."""
+    return Completer(model_path, settings)(prompts, n, temperature, max_new_tokens, seed)
 
 
 def main(argv: list[str] | None = None) -> int:

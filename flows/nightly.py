@@ -22,6 +22,7 @@ from components.locking import exclusive
 from components.tracking.registry import download_version, register_candidate
 from flows import parsers
 from flows._args import check_config, run_cli
+from flows._logs import one_line_errors
 from flows.data import data_flow
 from flows.evaluate import evaluate_flow
 from flows.sft import sft_flow
@@ -58,6 +59,7 @@ def register(cfg: Config, name: str, info: dict, acc: float) -> dict:
 
 
 @flow(name="rl-nightly")
+@one_line_errors
 def nightly_flow(
     config: str = "configs/arith_grpo.yaml",
     overrides: list[str] | None = None,

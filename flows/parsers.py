@@ -143,6 +143,11 @@ def deploy() -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="*", help="pipeline names to deploy (default: all)")
     p.add_argument("--apply", action="store_true", help="register the deployments and exit (no serving)")
     p.add_argument("--work-pool", help="deploy to this Prefect work pool instead of serving in-process")
+    p.add_argument(
+        "--write-prefect-yaml",
+        action="store_true",
+        help="write Prefect's own deployment file (prefect.yaml, for `prefect deploy --all`) and exit",
+    )
     return p
 
 

@@ -9,10 +9,12 @@ from prefect import flow
 from components.config import load_config
 from flows import parsers
 from flows._args import check_config, run_cli
+from flows._logs import one_line_errors
 from tasks.reward_model import fit_reward_model
 
 
 @flow(name="rl-reward-model")
+@one_line_errors
 def reward_model_flow(
     config: str = "configs/arith_grpo.yaml",
     overrides: list[str] | None = None,

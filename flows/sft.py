@@ -9,11 +9,13 @@ from prefect import flow
 from components.config import load_config
 from flows import parsers
 from flows._args import check_config, run_cli
+from flows._logs import one_line_errors
 from tasks.caching import run_stage
 from tasks.sft import run_sft
 
 
 @flow(name="rl-sft")
+@one_line_errors
 def sft_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | None = None) -> str:
     """Supervised warm start: build the tiny model (or load sft.base_model) and fine-tune it.
 

@@ -28,6 +28,7 @@ from components.algorithms.shaping import KLController
 from components.batch import Batch
 from components.config import Config, load_config
 from components.data.sampler import PromptSampler
+from components.env import dvc_experiment
 from components.locking import exclusive
 from components.outputs import TRAIN_OUTPUT, check_output, claim_output
 from components.plan import RunPlan, make_plan
@@ -41,6 +42,7 @@ from components.tracking.mlflow_tracker import Tracker
 from components.training.ray_workers import Workers, ensure_ray, rebuild_workers, stop_workers
 from flows import parsers
 from flows._args import check_config, run_cli, yield_prefect_server
+from flows._logs import one_line_errors
 from tasks.common import for_iteration, is_transient, logger
 from tasks.data import load_datasets
 from tasks.rl import (
@@ -471,10 +473,10 @@ def open_run(
     fingerprint = run_fingerprint(cfg)  # config, data, models, reward: what a checkpoint must match to resume
     resume = plan_resume(cfg, fingerprint)
     claim_output(t.output_dir, "trainer.output_dir", TRAIN_OUTPUT, t.run_dir)
-    # what ran: the pipeline, the preset and the run's fingerprint (its run directory's name), then when
-    run_name = (
-        f"{pipeline or 'train'}-{cfg.algorithm.name}-{fingerprint.digest[:10]}-{datetime.now(UTC):%m%d-%H%M}"
-    )
+    # what ran: the pipeline (or the DVC experiment), the preset and the run's fingerprint (its run
+    # directory's name), then when
+    label = pipeline or dvc_experiment().get("name") or "train"
+    run_name = f"{label}-{cfg.algorithm.name}-{fingerprint.digest[:10]}-{datetime.now(UTC):%m%d-%H%M}"
     tracker = start_run(cfg, pipeline, version, run_name, resume, fingerprint, plan.params)
     scorers = scorers_for([r["data_source"] for r in train_rows + eval_rows], cfg)
     kl_ctrl = KLController(*plan.kl_in_reward) if plan.kl_in_reward else None
@@ -496,6 +498,7 @@ def open_run(
 
 
 @flow(name="rl-train")
+@one_line_errors
 def train_flow(
     config: str = "configs/arith_grpo.yaml",
     overrides: list[str] | None = None,

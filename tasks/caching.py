@@ -84,17 +84,21 @@ def cached_stage(policy: StageCache) -> dict:
 
 
 def run_stage(task, *args, **kwargs):
-    """Call a cached stage and return its result, saying in the run's log when it came from the cache (its
-    inputs unchanged since it last ran, its outputs still there) instead of running."""
+    """Call a cached stage and return its result, saying in the run's log (at INFO: nothing is wrong) when it
+    came from the cache (its inputs unchanged since it last ran, its outputs still there) instead of
+    running."""
     from tasks.common import logger
 
     state = task(*args, return_state=True, **kwargs)
     result = state.result()  # a failed stage raises its own error here
     if state.name == "Cached":
-        logger().warning(
-            "%s: not run, its result is taken from the cache in %s (the config keys and files it "
-            "reads are unchanged and its outputs are there)",
-            task.name,
-            os.environ.get("PREFECT_RESULTS_LOCAL_STORAGE_PATH", "Prefect's result storage"),
+        from components.progress import console
+
+        where = os.environ.get("PREFECT_RESULTS_LOCAL_STORAGE_PATH", "Prefect's result storage")
+        note = (
+            f"{task.name}: not run, its result is taken from the cache in {where} (the config keys and "
+            "files it reads are unchanged and its outputs are there)"
         )
+        logger().info(note)  # the run's Logs tab
+        console.print(note, style="dim", highlight=False, soft_wrap=True)  # the terminal, as a note
     return result

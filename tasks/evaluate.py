@@ -11,12 +11,13 @@ from components.config import Config
 from components.data.clean import RowRules, validate_file
 from components.data.io import write_json
 from components.evaluation import evaluate
+from components.lineage import file_md5
 from components.models.loading import load_image_encoder, load_tokenizer
 from components.plan import make_plan
 from components.rewards.registry import score_batch, scorers_for
 from components.rollout.worker import RolloutWorker
 from components.stages import STAGES
-from components.tracking.mlflow_tracker import Tracker
+from components.tracking.mlflow_tracker import Tracker, dataset_ref
 from components.training.seeding import derive_seed
 from tasks.caching import StageCache, cached_stage
 from tasks.common import STAGE
@@ -65,8 +66,9 @@ def evaluate_model(
 
 
 @task(name="write-eval", **STAGE)
-def write_eval(results: dict, path: str, tracker_run: dict | None) -> str:
-    """metrics/eval.json for `dvc metrics show`, and the same figures on the training run in MLflow."""
+def write_eval(results: dict, path: str, tracker_run: dict | None, eval_path: str) -> str:
+    """metrics/eval.json for `dvc metrics show`, and the same figures on the training run in MLflow, those of
+    the final model linked to its logged model and to the evaluation data (`eval_path`)."""
     write_json(results, path)
     if tracker_run and tracker_run.get("run_id"):
         tracker = Tracker(tracker_run["experiment"], "", run_id=tracker_run["run_id"])
@@ -82,6 +84,7 @@ def write_eval(results: dict, path: str, tracker_run: dict | None) -> str:
             tracker.log_summary(
                 {f"eval/{k}": v for k, v in results["final"].items() if isinstance(v, (int, float))},
                 model_id=tracker_run["model_id"],
+                dataset=dataset_ref(eval_path, file_md5(eval_path)),
             )
         tracker.log_artifact(path)
         tracker.end("FINISHED")

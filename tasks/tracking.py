@@ -10,6 +10,7 @@ from components.batch import Batch
 from components.config import Config, fingerprint
 from components.config.loader import training_keys
 from components.data.io import write_atomic
+from components.env import dvc_experiment
 from components.lineage import file_md5, model_digest, verify_tracked
 from components.outputs import MODEL
 from components.tracking import checkpoints, runs
@@ -94,6 +95,8 @@ def start_run(
         "dvc.train_md5": hashes[cfg.data.train_path],
         "dvc.eval_md5": hashes[cfg.data.eval_path],
         "reinforge.run_dir": str(resume.run_dir),
+        # a DVC experiment's name and baseline: `dvc exp show` and MLflow's compare view name the same runs
+        **{f"dvc.exp_{k}": v for k, v in dvc_experiment().items()},
     }
     if parent:
         run_name = f"{run_name}-extends-{parent[:8]}"
@@ -253,7 +256,9 @@ def finalize(
     (stored apart from the run's artifacts, so no later run ever writes its files); the reward curve and
     run.json; end the MLflow run. `latest` in trainer.output_dir names this run."""
     final = workers.policy.save_model(str(resume.run_dir / "final"), MODEL)
-    model_id = tracker.log_model(final, "final_model")
+    model_id = tracker.log_model(
+        final, "final_model", model_config={"apply_chat_template": cfg.data.apply_chat_template}
+    )
     plot = reward_curve(history, resume.run_dir / "reward_curve.png")
     tracker.log_artifact(plot)
     # the run's whole series (a resumed run's earlier steps too) for dvc.yaml's plots

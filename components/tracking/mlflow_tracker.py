@@ -20,14 +20,17 @@ import mlflow
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+from components.env import PROJECT_ROOT, checkout_root, dvc_experiment
+
 _BAD = re.compile(r"[^A-Za-z0-9_\-./ ]")
 # the experiment's kind: the UI opens a model-training experiment on its runs, not on the GenAI traces page
 EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 
 
-def default_tracking_uri(root: Path = PROJECT_ROOT) -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlruns.db'}"
+def default_tracking_uri(root: Path | None = None) -> str:
+    """MLFLOW_TRACKING_URI, else the SQLite store of the checkout (components.env.checkout_root): a DVC
+    experiment trained in a temporary copy logs to the store of the checkout it was started from."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(root or checkout_root()) / 'mlruns.db'}"
 
 
 def metric_name(name: str) -> str:
@@ -36,6 +39,10 @@ def metric_name(name: str) -> str:
 
 
 def git_commit(root: Path = PROJECT_ROOT) -> str:
+    """The commit the code runs from; in a DVC experiment, the commit it was started from (its copy's HEAD
+    is a stash commit that no branch holds)."""
+    if dvc_experiment():
+        return dvc_experiment()["baseline_rev"] or "unknown"
     try:
         return (
             subprocess.run(
@@ -47,7 +54,7 @@ def git_commit(root: Path = PROJECT_ROOT) -> str:
         return "unknown"
 
 
-def setup(experiment: str, root: Path = PROJECT_ROOT) -> str:
+def setup(experiment: str, root: Path | None = None) -> str:
     """Point MLflow at the tracking URI and make sure the experiment exists; returns its id."""
     uri = default_tracking_uri(root)
     mlflow.set_tracking_uri(uri)
@@ -76,29 +83,57 @@ def dataset_input(path: str, role: str, digest: str):
     from mlflow.entities import DatasetInput, InputTag
 
     source = LocalArtifactDatasetSource(str(Path(path).resolve()))
-    name = Path(path).stem
+    name, digest = dataset_ref(path, digest)
     try:
         df = pd.read_parquet(path) if path.endswith(".parquet") else pd.read_json(path, lines=True)
-        dataset = mlflow.data.from_pandas(df, source=source, name=name, digest=digest[:36])
+        dataset = mlflow.data.from_pandas(df, source=source, name=name, digest=digest)
     except (ValueError, TypeError, OSError, MlflowException):  # a schema MLflow cannot infer: source alone
-        dataset = MetaDataset(source, name=name, digest=digest[:36])
+        dataset = MetaDataset(source, name=name, digest=digest)
     return DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", role)])
 
 
 def model_signature():
-    """What the logged policy takes and returns, for the UI and for serving: prompt text in, completion out."""
+    """What the logged policy takes and returns, for the UI and for serving: prompt text in, completion out,
+    with the sampling settings as params."""
     from mlflow.models import ModelSignature
-    from mlflow.types import ColSpec, Schema
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
     return ModelSignature(
-        inputs=Schema([ColSpec("string", "prompt")]), outputs=Schema([ColSpec("string", "completion")])
+        inputs=Schema([ColSpec("string", "prompt")]),
+        outputs=Schema([ColSpec("string", "completion")]),
+        params=ParamSchema(
+            [
+                ParamSpec("max_new_tokens", "long", 16),
+                ParamSpec("temperature", "double", 0.0),
+                ParamSpec("seed", "long", 0),
+            ]
+        ),
     )
+
+
+def dataset_ref(path: str, digest: str) -> tuple[str, str]:
+    """The (name, digest) MLflow knows a data file by: a run's dataset input and the metrics measured on it."""
+    return Path(path).stem, digest[:36]
+
+
+def requirements() -> list[str]:
+    """The packages the logged model loads with, at the versions installed here (reinforge itself too:
+    serve it from this environment, `--env-manager local`)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for package in ("mlflow", "torch", "transformers", "tokenizers", "safetensors", "pandas"):
+        try:
+            out.append(f"{package}=={version(package)}")
+        except PackageNotFoundError:
+            continue
+    return out
 
 
 class Tracker:
     """One MLflow run: params, tags, per-step metrics (each step once), artifacts."""
 
-    def __init__(self, experiment: str, run_name: str, run_id: str | None = None, root: Path = PROJECT_ROOT):
+    def __init__(self, experiment: str, run_name: str, run_id: str | None = None, root: Path | None = None):
         """A new run, or (run_id) the run a resumed training continues. A run_id this tracking store does not
         hold (a fresh MLFLOW_TRACKING_URI) starts a new run: `resumed` says which happened."""
         self.experiment_id = setup(experiment, root)
@@ -141,21 +176,45 @@ class Tracker:
             return False
         return True
 
-    def log_model(self, local_dir: str | Path, name: str) -> str:
-        """A model directory as an MLflow logged model of this run: its files are copied to the model's own
-        artifact location (models/<id>/artifacts), which no later run writes, so a registered version that
-        points at it never changes. Returns the model id."""
+    def log_model(
+        self, local_dir: str | Path, name: str, params: dict | None = None, model_config: dict | None = None
+    ) -> str:
+        """A model directory as an MLflow logged model of this run, with the pyfunc flavor
+        (components/tracking/policy_model.py: `mlflow.pyfunc.load_model` generates with it), its signature,
+        an input example and `params`. Its files go to the model's own artifact location
+        (models/<id>/artifacts), which no later run writes, so a registered version that points at it never
+        changes. `params` default to the run's (the resolved config); `model_config`: what the loaded model
+        needs to know (how prompts are rendered). Returns the model id."""
+        import mlflow.pyfunc
         from mlflow.models import Model
 
+        from components.tracking import policy_model
+
         model = self.client.create_logged_model(
-            self.experiment_id, name=name, source_run_id=self.run_id, model_type="transformers"
+            self.experiment_id,
+            name=name,
+            source_run_id=self.run_id,
+            model_type="text-generation",
+            params={
+                k: str(v)[:6000]
+                for k, v in (
+                    params if params is not None else self.client.get_run(self.run_id).data.params
+                ).items()
+            },
         )
         try:
-            self.client.log_model_artifacts(model.model_id, str(local_dir))
-            with tempfile.TemporaryDirectory() as tmp:  # the MLmodel file: the UI shows its signature
-                mlmodel = Model(run_id=self.run_id, model_id=model.model_id, signature=model_signature())
-                mlmodel.save(Path(tmp) / "MLmodel")
-                self.client.log_model_artifact(model.model_id, str(Path(tmp) / "MLmodel"))
+            with tempfile.TemporaryDirectory() as tmp:
+                mlflow.pyfunc.save_model(
+                    Path(tmp) / name,
+                    python_model=policy_model.__file__,
+                    artifacts={policy_model.WEIGHTS: str(local_dir)},
+                    model_config=model_config or {},
+                    signature=model_signature(),
+                    input_example={"prompt": ["12+34="]},
+                    pip_requirements=requirements(),
+                    mlflow_model=Model(run_id=self.run_id, model_id=model.model_id),
+                )
+                self.client.log_model_artifacts(model.model_id, str(Path(tmp) / name))
         except BaseException:
             self.client.finalize_logged_model(model.model_id, "FAILED")
             raise
@@ -212,17 +271,32 @@ class Tracker:
         for op in pending:
             op.wait()
 
-    def log_summary(self, metrics: dict[str, float], model_id: str | None = None) -> None:
+    def log_summary(
+        self, metrics: dict[str, float], model_id: str | None = None, dataset: tuple[str, str] | None = None
+    ) -> None:
         """Metrics outside the per-iteration series (final evaluations), logged at step 0 of their own names;
-        with `model_id`, linked to that logged model."""
+        with `model_id`, linked to that logged model, and with `dataset` (dataset_ref) to the data they were
+        measured on (the model page shows each metric beside its dataset)."""
         import time
 
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
+        name, digest = dataset or (None, None)
         self.client.log_batch(
             self.run_id,
-            metrics=[Metric(metric_name(k), float(v), now, 0, model_id=model_id) for k, v in metrics.items()],
+            metrics=[
+                Metric(
+                    metric_name(k),
+                    float(v),
+                    now,
+                    0,
+                    model_id=model_id,
+                    dataset_name=name,
+                    dataset_digest=digest,
+                )
+                for k, v in metrics.items()
+            ],
         )
 
     def log_samples(self, samples: list[dict], iteration: int) -> str:

@@ -39,17 +39,22 @@ def champion(name: str):
 
 
 def download_version(name: str, version: str, dst: str | Path) -> Path:
-    """The files of a registered version (its logged model's artifacts), copied to `dst`."""
+    """The model directory of a registered version (the weights its logged model holds), copied under `dst`."""
     import mlflow
+    from mlflow.models import Model
+
+    from components.tracking.policy_model import WEIGHTS
 
     client = _client()
     source = client.get_model_version(name, version).source  # models:/<logged model id>
     location = client.get_logged_model(source.removeprefix("models:/")).artifact_location
-    return Path(
+    logged = Path(
         mlflow.artifacts.download_artifacts(
             artifact_uri=location, dst_path=str(dst), tracking_uri=default_tracking_uri()
         )
     )
+    artifacts = Model.load(logged / "MLmodel").flavors["python_function"]["artifacts"]
+    return logged / artifacts[WEIGHTS]["path"]
 
 
 def register_candidate(

@@ -40,3 +40,32 @@ def test_deployments_registered_with_schedule(prefect_harness):
     assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
     assert [s.schedule.timezone for s in nightly.schedules] == ["UTC"]  # as pipelines.yaml says
     assert not train.schedules
+
+
+def test_prefect_yaml_is_current():
+    """prefect.yaml is pipelines.yaml for Prefect's own `prefect deploy --all`: regenerated, not hand-edited."""
+    from flows.deploy import PREFECT_YAML, prefect_yaml_text
+
+    assert PREFECT_YAML.read_text() == prefect_yaml_text(load_pipelines()), (
+        "prefect.yaml is out of date: run `reinforge deploy --write-prefect-yaml`"
+    )
+
+
+def test_pipelines_file_refuses_duplicate_names_and_bad_crons(tmp_path):
+    bad = tmp_path / "p.yaml"
+    bad.write_text(
+        "pipelines:\n  - {name: x, version: '1', flow: train, config: c.yaml}\n"
+        "  - {name: x, version: '2', flow: nightly, config: c.yaml}\n"
+    )
+    with pytest.raises(ConfigError, match="x appears more than once"):
+        load_pipelines(bad)
+    for schedule, said in (
+        ("{cron: '0 25 * * *'}", "Invalid cron string"),
+        ("{cron: 'nightly'}", "Invalid cron string"),
+        ("{cron: '0 2 * * *', timezone: Mars/Base}", "Invalid timezone"),
+    ):
+        bad.write_text(
+            f"pipelines:\n  - {{name: n, version: '1', flow: nightly, config: c.yaml, schedule: {schedule}}}\n"
+        )
+        with pytest.raises(ConfigError, match=f"pipelines.0.schedule: .*{said}"):
+            load_pipelines(bad)

@@ -53,11 +53,11 @@ def repo(tmp_path_factory, prefect_api):
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     (repo / ".venv").symlink_to(VENV_BIN.parent)  # the checkout's own venv, as `make install` leaves it
     # no venv on PATH, none activated: dvc is called by its path, the stages find the venv through scripts/py
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    # no MLFLOW_TRACKING_URI: each run logs to the checkout's own store (mlruns.db), as a user's does
+    unset = ("VIRTUAL_ENV", "PYTHONPATH", "MLFLOW_TRACKING_URI")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     env.update(
-        PATH="/usr/local/bin:/usr/bin:/bin",
-        MLFLOW_TRACKING_URI=f"sqlite:///{repo}/m.db",
-        PREFECT_API_URL=prefect_api,
+        PATH="/usr/local/bin:/usr/bin:/bin", PREFECT_API_URL=prefect_api
     )  # the stages report to one server instead of starting one each
     git(repo, env, "init", "-q")
     commit(repo, env, "init")
@@ -154,12 +154,34 @@ def test_repro_killed_mid_training_resumes_and_ends_clean(repo):
     commit(repo, env, "clip 0.25")
 
 
+def exp_metrics(repo: Path, env: dict) -> dict[str, dict]:
+    """{experiment name (or the workspace's and HEAD's rev): its metrics/eval.json} from `dvc exp show`."""
+    shown = json.loads(sh([DVC, "exp", "show", "--json"], repo, env, stdout_only=True))
+    out = {}
+    for rev in shown:  # the workspace, HEAD with its experiments
+        for exp in [rev, *(e for group in rev.get("experiments") or [] for e in group["revs"])]:
+            data = exp.get("data") or {}
+            metrics = (data.get("metrics") or {}).get("metrics/eval.json", {}).get("data", {})
+            if "final" in metrics:
+                out[exp.get("name") or data.get("rev") or exp.get("rev")] = metrics
+    return out
+
+
+def mlflow_runs_of_experiment(repo: Path, name: str) -> list:
+    """The MLflow runs of the checkout's own store tagged with DVC experiment `name`."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{repo}/mlruns.db")
+    experiment = client.get_experiment_by_name("e2e")
+    return client.search_runs([experiment.experiment_id], f"tags.`dvc.exp_name` = '{name}'")
+
+
 def test_experiments_compare_and_leave_the_workspace_as_it_was(repo):
     """`dvc exp run --temp -S ...` trains the changed configuration beside the workspace's run (never resuming,
     overwriting or deleting it), `dvc exp show` lists both accuracies, `dvc metrics diff` loads HEAD, and a
-    failing experiment leaves the config file as it was."""
-    import json
-
+    failing experiment leaves the config file as it was. The experiment trains in DVC's temporary copy, but its
+    MLflow run, metrics and logged model are in the checkout's own store, tagged with the experiment's name and
+    baseline commit, so `dvc exp show` and the MLflow UI list the same experiments."""
     repo, env = repo
     config = (repo / "configs" / "arith_grpo.yaml").read_bytes()
     workspace = snapshot(repo / "checkpoints" / "grpo")
@@ -179,16 +201,20 @@ def test_experiments_compare_and_leave_the_workspace_as_it_was(repo):
         repo,
         env,
     )
-    shown = json.loads(sh([DVC, "exp", "show", "--json"], repo, env, stdout_only=True))
-    accs = []
-    for rev in shown:  # the workspace, HEAD with its experiments
-        for exp in [rev, *(e for group in rev.get("experiments") or [] for e in group["revs"])]:
-            metrics = (
-                ((exp.get("data") or {}).get("metrics") or {}).get("metrics/eval.json", {}).get("data", {})
-            )
-            if "final" in metrics:
-                accs.append((metrics["iterations"], metrics["final"]["acc"]))
-    assert {it for it, _ in accs} >= {5, 4}, accs  # the experiment (5 iterations) and the workspace's run (4)
+    shown = exp_metrics(repo, env)
+    # the experiment (5 iterations) and the workspace's run (4)
+    assert {m["iterations"] for m in shown.values()} >= {5, 4}, shown
+    (name,) = [n for n, m in shown.items() if m["iterations"] == 5]
+    (run,) = mlflow_runs_of_experiment(repo, name)
+    head = git(repo, env, "rev-parse", "HEAD").strip()
+    assert run.info.status == "FINISHED" and run.data.tags["dvc.exp_baseline_rev"] == head
+    assert (
+        run.info.run_name.startswith(f"{name}-grpo-") and run.data.params["algorithm.kl_loss_coef"] == "0.04"
+    )
+    assert run.data.metrics["eval/final/acc"] == shown[name]["final"]["acc"]  # the same figure in both UIs
+    (model,) = run.outputs.model_outputs  # its logged model's files, in the checkout's artifact store
+    assert (repo / "mlartifacts" / "e2e" / "models" / model.model_id / "artifacts" / "MLmodel").is_file()
+    assert not list((repo / ".dvc" / "tmp" / "exps").glob("**/tmp*"))  # the temporary copy is gone
     assert "final.acc" in sh([DVC, "metrics", "diff", "--all", "HEAD~1"], repo, env)  # HEAD's metrics load
     res = subprocess.run(
         [DVC, "exp", "run", "--temp", "-S", f"{key}trainer.iterations=1", "dvc.yaml"],
@@ -201,6 +227,19 @@ def test_experiments_compare_and_leave_the_workspace_as_it_was(repo):
     assert res.returncode != 0 and "trainer.iterations=1 is fewer than the" in res.stdout + res.stderr
     assert (repo / "configs" / "arith_grpo.yaml").read_bytes() == config  # never rewritten
     assert snapshot(repo / "checkpoints" / "grpo") == workspace
+
+
+def test_a_queued_experiment_logs_to_the_checkouts_store(repo):
+    """`dvc exp run --queue`, then `dvc exp run --run-all`: DVC's queue worker trains in a copy of its own, and
+    the run lands in the checkout's MLflow store like a --temp one."""
+    repo, env = repo
+    key = "configs/arith_grpo.yaml:"
+    sh([DVC, "exp", "run", "--queue", "-S", f"{key}trainer.iterations=6", "dvc.yaml"], repo, env)
+    sh([DVC, "exp", "run", "--run-all"], repo, env)
+    shown = exp_metrics(repo, env)
+    (name,) = [n for n, m in shown.items() if m["iterations"] == 6]
+    (run,) = mlflow_runs_of_experiment(repo, name)
+    assert run.info.status == "FINISHED" and run.data.metrics["eval/final/acc"] == shown[name]["final"]["acc"]
 
 
 def test_an_edited_reward_function_reruns_training(repo):
