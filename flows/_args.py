@@ -61,17 +61,35 @@ def check_config(path: str, overrides: list[str], debug: bool = False) -> int:
     return 0
 
 
+TIMESTAMPS = ("created", "started", "finished")  # seconds since the epoch in a result, shown as a date
+
+
+def _shown(key: str, value: object) -> str:
+    if key.rsplit(".", 1)[-1] in TIMESTAMPS and isinstance(value, int | float):
+        from datetime import datetime
+
+        return datetime.fromtimestamp(value).astimezone().isoformat(timespec="seconds")
+    return str(round(value, 4)) if isinstance(value, float) else str(value)
+
+
+def _scalars(result: dict, prefix: str = "") -> list[tuple[str, object]]:
+    out = []
+    for key, value in result.items():
+        if isinstance(value, dict):
+            out += _scalars(value, f"{prefix}{key}.")
+        elif not isinstance(value, list | tuple):
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
 def summary(result: object) -> str:
-    """A stage's result for a person: its top-level scalars, a line each (nested parts are behind --json)."""
+    """A stage's result for a person: its scalars, nested ones by their dotted key (`final.acc`), a line
+    each, timestamps as dates (lists are behind --json)."""
     if not isinstance(result, dict):
         return str(result)
-    lines = []
-    for key, value in result.items():
-        if isinstance(value, dict | list | tuple):
-            continue
-        shown = str(round(value, 4)) if isinstance(value, float) else str(value)
-        lines.append(f"  {key:<16} {shown}")
-    return "\n".join(lines)
+    scalars = _scalars(result)
+    width = max((len(k) for k, _ in scalars), default=0)
+    return "\n".join(f"  {k:<{width}}  {_shown(k, v)}" for k, v in scalars)
 
 
 def run_cli(fn, *args, debug: bool = False, as_json: bool = False, **kwargs) -> int:

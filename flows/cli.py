@@ -28,10 +28,16 @@ def start_ray_checking_config(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        from reinforge import __version__
+
+        print(f"reinforge {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         p = argparse.ArgumentParser(
             prog="reinforge", description="RL post-training for LLMs as a Prefect/DVC DAG."
         )
+        p.add_argument("-V", "--version", action="store_true", help="print the version and exit")
         sub = p.add_subparsers(dest="command", metavar="COMMAND")
         for name, (_, _, help_, _) in COMMANDS.items():
             sub.add_parser(name, help=help_, add_help=False)

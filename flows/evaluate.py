@@ -11,6 +11,7 @@ import sys
 from prefect import flow
 
 from components.config import load_config
+from components.data.io import write_json
 from components.errors import ConfigError
 from components.progress import progress_bar
 from components.tracking import runs
@@ -46,7 +47,8 @@ def evaluate_flow(
         ):
             results[name] = run_stage(evaluate_model, path, cfg.data.eval_path, cfg, key, "data.eval_path")
             advance(info=f"{name} acc {results[name]['acc']:.3f}")
-    results.update(iterations=run.get("iterations"), train_wall_seconds=run.get("wall_seconds"))
+    # no wall times: DVC compares these figures across experiments and commits, and seconds are not comparable
+    results["iterations"] = run.get("iterations")
     results["gain"] = {"acc": results["final"]["acc"] - results["sft"]["acc"]}
     write_eval(results, output, run, cfg.data.eval_path)
     return results
@@ -59,10 +61,15 @@ def evaluate_one_flow(
     eval_data: str,
     config: str = "configs/arith_grpo.yaml",
     overrides: list[str] | None = None,
+    output: str | None = None,
 ) -> dict:
-    return run_stage(
-        evaluate_model, str(runs.model_dir(model_path)), eval_data, load_config(config, overrides or [])
-    )
+    """Held-out accuracy of one model directory (or a training output directory: its last finished run's
+    final model) on one data file; with `output`, also written there as JSON."""
+    cfg = load_config(config, overrides or [])
+    result = run_stage(evaluate_model, str(runs.model_dir(model_path)), eval_data, cfg)
+    if output:
+        write_json({"model": str(model_path), "eval_data": eval_data, **result}, output)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,9 +80,17 @@ def main(argv: list[str] | None = None) -> int:
         if not a.eval_data:
             return report(ConfigError("--model_path needs --eval_data FILE (a held-out parquet)"))
         return run_cli(
-            evaluate_one_flow, a.model_path, a.eval_data, a.config, a.overrides, debug=a.debug, as_json=a.json
+            evaluate_one_flow,
+            a.model_path,
+            a.eval_data,
+            a.config,
+            a.overrides,
+            a.output,
+            debug=a.debug,
+            as_json=a.json,
         )
-    return run_cli(evaluate_flow, a.config, a.overrides, a.output, debug=a.debug, as_json=a.json)
+    output = a.output or "metrics/eval.json"
+    return run_cli(evaluate_flow, a.config, a.overrides, output, debug=a.debug, as_json=a.json)
 
 
 if __name__ == "__main__":

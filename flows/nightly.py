@@ -76,7 +76,9 @@ def nightly_flow(
         pipeline: the pipeline's name (pipelines.yaml), recorded on the MLflow run.
         pipeline_version: the pipeline's version, recorded on the MLflow run.
     """
-    overrides = [*(overrides or []), "trainer.when_finished=retrain"]
+    # a finished run is trained again; CPU, memory, disk and network use (system/*) are recorded unless the
+    # overrides say otherwise (they come after these defaults)
+    overrides = ["trainer.log_system_metrics=true", *(overrides or []), "trainer.when_finished=retrain"]
     cfg = load_config(config, overrides)
     with exclusive(Path(cfg.trainer.output_dir).parent / ".nightly.lock", f"pipeline {pipeline}"):
         data_flow(config, overrides)

@@ -71,7 +71,11 @@ def evaluate() -> argparse.ArgumentParser:
     p = config_parser("reinforge evaluate", "Evaluate held-out accuracy (greedy acc, mean@k, pass@k).")
     p.add_argument("--model_path", help="evaluate this model directory alone")
     p.add_argument("--eval_data", help="held-out parquet/jsonl (with --model_path)")
-    p.add_argument("--output", default="metrics/eval.json", help="where the SFT-vs-final metrics go")
+    p.add_argument(
+        "--output",
+        help="the JSON file the metrics go to (default: metrics/eval.json for the SFT-vs-final comparison; "
+        "none with --model_path, which prints them)",
+    )
     return p
 
 
@@ -207,6 +211,18 @@ def diagnose() -> argparse.ArgumentParser:
     return p
 
 
+def ui() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="reinforge ui",
+        description="The MLflow UI on this checkout's tracking store (or MLFLOW_TRACKING_URI's server), with "
+        "the link that opens the experiment on its runs table. Ctrl-C stops it.",
+    )
+    p.add_argument("--experiment", default="reinforge", help="the experiment to open (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=5000, help="(default: %(default)s)")
+    return p
+
+
 # subcommand -> (its parser, the module whose main runs it, the help line, argv put before the user's)
 COMMANDS: dict[str, tuple[Callable[[], argparse.ArgumentParser], str, str, list[str]]] = {
     "prepare": (prepare, "flows.data", "generate (or import GSM8K) raw data", ["--step", "prepare"]),
@@ -241,6 +257,7 @@ COMMANDS: dict[str, tuple[Callable[[], argparse.ArgumentParser], str, str, list[
         "the full reference config (generate), a config as it resolves (show)",
         [],
     ),
+    "ui": (ui, "flows.ui", "the MLflow UI on the project's runs, opened on the runs table", []),
     "diagnose": (
         diagnose,
         "flows.diagnose",

@@ -254,7 +254,8 @@ def finalize(
 ) -> dict:
     """Save the final model in the run directory (HF format) and log it to MLflow as a model of its own
     (stored apart from the run's artifacts, so no later run ever writes its files); the reward curve and
-    run.json; end the MLflow run. `latest` in trainer.output_dir names this run."""
+    run.json; end the MLflow run. `latest` in trainer.output_dir names this run, and its final model is
+    published as trainer.output_dir/final (what DVC tracks)."""
     final = workers.policy.save_model(str(resume.run_dir / "final"), MODEL)
     model_id = tracker.log_model(
         final, "final_model", model_config={"apply_chat_template": cfg.data.apply_chat_template}
@@ -275,6 +276,7 @@ def finalize(
         run_id=tracker.run_id,
     )
     tracker.log_artifact(resume.run_dir / runs.RUN_INFO)
+    runs.publish_final(cfg.trainer.output_dir, final)
     write_atomic(
         Path(cfg.trainer.output_dir) / "latest", lambda tmp: Path(tmp).write_text(resume.run_dir.name + "\n")
     )

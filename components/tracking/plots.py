@@ -33,16 +33,17 @@ def reward_curve(history: list[dict], out: str | Path) -> Path:
 
 
 # file under <trainer.output_dir>/plots -> {column: metric}; each file's rows are {step, column: value}, a row
-# for each iteration that logged any of its metrics (val.json: the evaluated iterations)
+# for each iteration that logged any of its metrics (val.json: the evaluated iterations; kl.json: the KL of the
+# policy to the reference, which only a run with a KL penalty computes, so it is empty for default GRPO)
 DVC_PLOTS = {
     "train.json": {
         "reward": "critic/score/mean",
         "response_length": "response_length/mean",
         "ppo_kl": "actor/ppo_kl",
-        "kl_loss": "actor/kl_loss",
         "entropy": "actor/entropy",
     },
     "val.json": {"acc": "val/acc"},
+    "kl.json": {"kl": "actor/kl_loss"},
 }
 
 

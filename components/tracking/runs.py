@@ -8,6 +8,8 @@
         checkpoints/iter_*/      its checkpoints and their `latest` pointer
         final/                   its final model
       latest                     the id of the run that last finished here
+      final/                     that run's final model (hard links), what DVC tracks: the runs themselves
+                                 (MLflow ids, timestamps, checkpoints) are this machine's working state
 
 What a run does with trainer.resume_mode=auto (plan_run): continue the newest run of its configuration when
 it is unfinished; extend it when it finished and trainer.iterations asks for more; refuse when it asks for
@@ -18,6 +20,7 @@ fewer iterations than the run already has, or for as many as a finished run alre
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +29,7 @@ from components.data.io import write_json
 from components.errors import CheckpointError, ConfigError
 from components.tracking import checkpoints
 
-RUNS, RUN_INFO = "runs", "run.json"
+RUNS, RUN_INFO, FINAL = "runs", "run.json", "final"
 
 
 @dataclass(frozen=True)
@@ -230,6 +233,24 @@ def finished_run(output_dir: str | Path, digest: str) -> Path:
             "`reinforge train` with it first (or evaluate a model directly with --model_path)."
         )
     return done[-1]
+
+
+def publish_final(output_dir: str | Path, final: str | Path) -> Path:
+    """The finished run's final model as `output_dir`/final, replaced atomically (hard links to its files:
+    no copy of the weights). DVC tracks this directory, the same bytes for the same training."""
+    import shutil
+
+    from components.tracking.checkpoints import replace_dir
+
+    target = Path(output_dir) / FINAL
+    tmp = target.parent / f".tmp_{FINAL}_{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(final, tmp, copy_function=os.link)
+        replace_dir(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def model_dir(path: str | Path) -> Path:

@@ -138,3 +138,17 @@ def test_an_unreachable_cluster_s_resources_say_why(monkeypatch):
 
     monkeypatch.setattr("components.diagnose.RAY_RESOURCES", "import sys; sys.exit('connection refused')")
     assert ray_cluster_resources("127.0.0.1:1", timeout_s=30) == "connection refused"
+
+
+def test_each_missing_engine_names_the_install_that_holds_it(monkeypatch):
+    import importlib.util
+
+    import components.diagnose as d
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    fixes = {c.name: c.fix for c in d.engines()}
+    assert fixes["engine vllm"].startswith("pip install 'reinforge[gpu]'")
+    assert (
+        fixes["engine trtllm"].startswith("pip install tensorrt-llm")
+        and "not in reinforge" in fixes["engine trtllm"]
+    )

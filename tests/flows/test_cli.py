@@ -47,3 +47,23 @@ def test_steps_do_not_take_the_step_option(capsys):
             main([name, "--step", "clean"])
         assert exit_.value.code == 2
         assert "unrecognized arguments: --step" in capsys.readouterr().err
+
+
+def test_version_is_the_installed_distributions(capsys):
+    from flows.cli import main
+    from reinforge import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"reinforge {__version__}\n" and __version__ != "0+unknown"
+
+
+def test_a_stages_summary_shows_nested_figures_and_dates_not_epochs():
+    from flows._args import summary
+
+    text = summary(
+        {"created": 1796456800.0, "iterations": 100, "sft": {"acc": 0.3}, "final": {"acc": 0.6049}, "x": [1]}
+    )
+    lines = [line.split() for line in text.splitlines()]
+    assert lines[0][0] == "created" and lines[0][1].startswith("2026-12-")  # a date, in the local timezone
+    assert ["sft.acc", "0.3"] in lines and ["final.acc", "0.6049"] in lines and ["iterations", "100"] in lines
+    assert not any(line[0] == "x" for line in lines)  # lists are behind --json

@@ -102,13 +102,19 @@ def test_what_the_mlflow_ui_shows_is_there(pipeline_run):
     assert table["columns"][:5] == ["step", "prompt", "response", "ground_truth", "reward"]
     assert len(table["data"]) == 8 and all(r[0] == 2 and r[1] for r in table["data"])
     assert [o.model_id for o in run.outputs.model_outputs] == [info["model_id"]]  # the run page lists it
-    files = {a.path for a in client.list_logged_model_artifacts(info["model_id"])}
-    assert {"MLmodel", "config.json", "model.safetensors"} <= files
-    location = client.get_logged_model(info["model_id"]).artifact_location
-    mlmodel = yaml.safe_load((Path(urlparse(location).path) / "MLmodel").read_text())
+    model = client.get_logged_model(info["model_id"])
+    location = Path(urlparse(model.artifact_location).path)
+    assert {"config.json", "model.safetensors"} <= {
+        p.name for p in (location / "artifacts" / "final").iterdir()
+    }
+    mlmodel = yaml.safe_load((location / "MLmodel").read_text())
+    assert "python_function" in mlmodel["flavors"]  # a model MLflow loads: pyfunc, from code
     assert json.loads(mlmodel["signature"]["inputs"]) == [
         {"type": "string", "name": "prompt", "required": True}
     ]
+    assert model.params["algorithm.name"] == "grpo"  # the run's resolved config, on the model page too
+    (metric,) = [m for m in model.metrics if m.key == "eval/acc"]  # measured on the eval dataset
+    assert metric.dataset_name == "test" and metric.dataset_digest == run.data.tags["dvc.eval_md5"][:36]
 
 
 def test_what_the_prefect_ui_shows_is_there(pipeline_run):
@@ -205,3 +211,22 @@ def test_grpo_trains_with_the_tiny_reward_model(pipeline_run):
     assert [m.step for m in model] == [1, 2, 3] and len(rule) == 3
     for m, r, s in zip(model, rule, score):  # critic/score is the weighted mix
         assert s.value == pytest.approx(0.5 * m.value + 0.5 * r.value, abs=1e-5)
+
+
+def test_the_published_final_model_and_evaluate_output(pipeline_run, tmp_path, capsys):
+    """The finished run's final model is also trainer.output_dir/final (what DVC tracks: hard links to the
+    run's files, the same bytes), and `reinforge evaluate --model_path ... --output FILE` writes FILE."""
+    from flows.evaluate import main
+
+    root, info, _ = pipeline_run
+    ov = small_overrides(root, ITERATIONS)
+    published, final = root / "grpo" / "final", Path(info["final_model"])
+    assert sorted(p.name for p in published.iterdir()) == sorted(p.name for p in final.iterdir())
+    assert (published / "model.safetensors").stat().st_ino == (final / "model.safetensors").stat().st_ino
+    out = tmp_path / "one.json"
+    args = ["--model_path", str(root / "grpo"), "--eval_data", str(root / "clean" / "test.parquet")]
+    assert main([*args, "--output", str(out), *ov]) == 0
+    written = json.loads(out.read_text())
+    assert written["n"] == 16 and 0 <= written["acc"] <= 1 and written["model"] == str(root / "grpo")
+    shown = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["acc", str(round(written["acc"], 4))] in shown  # and the summary says it

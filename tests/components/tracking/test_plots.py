@@ -22,4 +22,5 @@ def test_dvc_plot_files_hold_each_series_by_step(tmp_path):
         {"step": 3, "reward": 0.5, "ppo_kl": 0.02},
     ]
     assert json.loads((tmp_path / "plots" / "val.json").read_text()) == [{"step": 2, "acc": 0.4}]
+    assert json.loads((tmp_path / "plots" / "kl.json").read_text()) == []  # no KL to a reference logged
     assert not list((tmp_path / "plots").glob(".*.tmp"))

@@ -58,12 +58,36 @@ def test_a_registered_version_never_changes_when_its_run_is_overwritten(tmp_path
     logged(tmp_path, seed=1)  # a later run (a resumed nightly) writes a new final model in the same place
     assert digests(tmp_path / "run" / "final") != registered
     files = download_version("m", "1", tmp_path / "from_registry")
-    served = digests(files)
-    assert "MLmodel" in served  # MLflow's own file of the logged model (its signature), beside the model's
-    assert {k: v for k, v in served.items() if k != "MLmodel"} == registered  # the same files as registered
+    assert digests(files) == registered  # the same files as registered
     assert greedy(files) == answers  # and so the same outputs, so the same accuracy
     version = store.get_model_version("m", "1")
     assert version.source == f"models:/{model_id}" and version.tags["eval_acc"] == "0.5"
+
+
+def test_the_registered_champion_loads_with_mlflow_pyfunc_and_generates(tmp_path, store):
+    """The logged model is a pyfunc model MLflow itself loads (no flavor-less MLmodel): the champion alias,
+    prompts in a DataFrame, the model's own greedy completions out; its signature names prompt, completion and
+    the sampling params, and it ships an input example."""
+    import pandas as pd
+    from mlflow.models import Model
+
+    from tests.conftest import arith_rows
+
+    run_id, model_id = logged(tmp_path, seed=0)
+    register_candidate("m", model_id, run_id, 0.5, "set-a", measure=lambda v: pytest.fail("not needed"))
+    model = mlflow.pyfunc.load_model("models:/m@champion")
+    prompts = [r["prompt"] for r in arith_rows(6)]
+    out = model.predict(pd.DataFrame({"prompt": prompts}), params={"max_new_tokens": 6})
+    assert list(out["completion"]) == greedy(tmp_path / "run" / "final")
+    meta = Model.load(
+        mlflow.artifacts.download_artifacts(f"models:/{model_id}", dst_path=str(tmp_path / "m"))
+    )
+    assert "python_function" in meta.flavors and meta.saved_input_example_info
+    assert meta.signature.inputs.input_names() == ["prompt"]
+    assert [p.name for p in meta.signature.params] == ["max_new_tokens", "temperature", "seed"]
+    assert (
+        store.get_logged_model(model_id).params == {}
+    )  # this test's run logged none; a real run's are its config
 
 
 def test_promotion_by_alias_on_the_same_evaluation_set(tmp_path, store):
