@@ -346,10 +346,23 @@ def fits(path: str, overrides: list[str]) -> list[Check]:
         return out
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from components.errors import ReinforgeError
+    from components.models.loading import check_model_dir
+
+    try:  # a directory that would run its own code, or of an unknown architecture, is not built even on meta
+        check_model_dir(config.parent, "actor.model.path", False, a.model.trust_remote_code)
+    except ReinforgeError as exc:
+        out.append(Check("memory", "fail", "no estimate", str(exc)))
+        return out
     with torch.device("meta"):
         params = sum(
             p.numel()
-            for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.parent)).parameters()
+            for p in AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(
+                    config.parent, local_files_only=True, trust_remote_code=a.model.trust_remote_code
+                ),
+                trust_remote_code=a.model.trust_remote_code,
+            ).parameters()
         )
     bytes_per = {"float32": 4, "bfloat16": 2, "float16": 2}[a.model.dtype]
     trained = params if a.lora.rank == 0 else params * 0.05  # adapters: a few percent

@@ -12,13 +12,20 @@ class Completer:
     completing prompts: plain strings, or lists of chat messages."""
 
     def __init__(
-        self, model_path: str, settings: PromptSettings = PromptSettings(), key: str = "--model_path"
+        self,
+        model_path: str,
+        settings: PromptSettings = PromptSettings(),
+        key: str = "--model_path",
+        trust_remote_code: bool = False,
     ):
+        from components.rollout.completions import EngineOptions
         from components.rollout.worker import RolloutWorker
         from components.tracking import runs
 
         self.settings = settings
-        self.worker = RolloutWorker(str(runs.model_dir(model_path)), key=key, prompts=settings)
+        options = EngineOptions(dtype="float32", trust_remote_code=trust_remote_code)
+        path = str(runs.model_dir(model_path))
+        self.worker = RolloutWorker(path, options=options, key=key, prompts=settings)
 
     def __call__(
         self, prompts: list, n: int = 1, temperature: float = 0.0, max_new_tokens: int = 16, seed: int = 0

@@ -126,6 +126,7 @@ class Placement:
     reward_model: str | None  # reward_model.path
     reward_model_dtype: str = "float32"
     reward_model_batch_size: int = 32
+    trust_remote_code: bool = False  # actor.model.trust_remote_code: for the reward model's directory too
     overlap: bool = False  # an asynchronous mode: the engine samples while the policy updates
 
     def colocated(self, n: int, engine_type: str) -> bool:
@@ -205,6 +206,7 @@ def make_plan(cfg: Config) -> RunPlan:
         reward_model=cfg.reward_model.path,
         reward_model_dtype=cfg.reward_model.dtype,
         reward_model_batch_size=cfg.reward_model.batch_size,
+        trust_remote_code=cfg.actor.model.trust_remote_code,
         overlap=t.async_mode != "sync",
     )
     policy = PolicySettings(

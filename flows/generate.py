@@ -20,9 +20,11 @@ def generate(
     max_new_tokens: int,
     seed: int,
     settings: PromptSettings = PromptSettings(),
+    trust_remote_code: bool = False,
 ) -> list[dict]:
     """n completions of each prompt (a plain string, or a list of chat messages)."""
-    return Completer(model_path, settings)(prompts, n, temperature, max_new_tokens, seed)
+    complete = Completer(model_path, settings, trust_remote_code=trust_remote_code)
+    return complete(prompts, n, temperature, max_new_tokens, seed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = PromptSettings(None if a.apply_chat_template is None else a.apply_chat_template == "true")
     try:
         prompts = [_messages(p) for p in a.prompts] if a.messages else a.prompts
-        out = generate(a.model_path, prompts, a.n, a.temperature, a.max_new_tokens, a.seed, settings)
+        out = generate(
+            a.model_path, prompts, a.n, a.temperature, a.max_new_tokens, a.seed, settings, a.trust_remote_code
+        )
     except ReinforgeError as exc:
         return report(exc, a.debug)
     print(json.dumps(out, indent=2))

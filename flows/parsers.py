@@ -108,6 +108,11 @@ def generate() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--max_new_tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the model directory's own Python code (its auto_map), as actor.model.trust_remote_code",
+    )
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return p
 

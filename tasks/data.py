@@ -59,7 +59,7 @@ def _tokenizer_of(source: tuple[str, str] | None, cfg: Config):
         tok = build_char_tokenizer(tool_tokens=cfg.multi_turn.enable or cfg.data.task == "arith_tool")
     else:
         key, path = source
-        tok = load_tokenizer(path, key)
+        tok = load_tokenizer(path, key, cfg.actor.model.trust_remote_code)
     return with_image_token(tok) if composing else tok
 
 
@@ -74,7 +74,8 @@ def data_image_tokens(cfg: Config) -> int | None:
 
         return composed_image_tokens(cfg)
     key, path = source
-    encoder = load_image_encoder(path, load_tokenizer(path, key), key)
+    trust = cfg.actor.model.trust_remote_code
+    encoder = load_image_encoder(path, load_tokenizer(path, key, trust), key, trust)
     if encoder is None:
         raise ConfigError(
             f"{key}={path} is a text-only model, but actor.model.type=multimodal; point it at a "
@@ -199,7 +200,9 @@ def load_datasets(cfg: Config, tokenizer) -> tuple[list[dict], list[dict]]:
     """The train and eval rows, each checked as the clean stage checks them (with the policy's tokenizer) and
     with their md5 matching what DVC recorded: a bad row or a file edited behind DVC's back stops the run here,
     naming the file, row and column, before any worker or MLflow run starts."""
-    encoder = load_image_encoder(cfg.actor.model.path, tokenizer)
+    encoder = load_image_encoder(
+        cfg.actor.model.path, tokenizer, trust_remote_code=cfg.actor.model.trust_remote_code
+    )
     rules = RowRules.from_config(cfg, encoder.image_tokens if encoder else None)
     train = validate_file(cfg.data.train_path, "data.train_path", tokenizer, rules)
     test = validate_file(cfg.data.eval_path, "data.eval_path", tokenizer, rules, _keys(train))

@@ -37,8 +37,9 @@ def evaluate_model(
 ) -> dict[str, float]:
     """Greedy accuracy (`acc`) and sampled mean@k / pass@k of the model at `model_path`. The held-out rows
     are checked first, as the clean stage checks them, with this model's tokenizer."""
-    tokenizer = load_tokenizer(model_path, model_key)
-    images = load_image_encoder(model_path, tokenizer, model_key)
+    trust = cfg.actor.model.trust_remote_code
+    tokenizer = load_tokenizer(model_path, model_key, trust)
+    images = load_image_encoder(model_path, tokenizer, model_key, trust)
     rows = validate_file(
         eval_path, data_key, tokenizer, RowRules.from_config(cfg, images.image_tokens if images else None)
     )

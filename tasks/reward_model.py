@@ -38,7 +38,7 @@ def fit_reward_model(cfg: Config, out: str, steps: int, batch_size: int, lr: flo
     torch.set_num_threads(cfg.trainer.num_threads)
     init = cfg.sft.output_dir
     tok, rules, settings = (
-        load_tokenizer(init, "sft.output_dir"),
+        load_tokenizer(init, "sft.output_dir", cfg.actor.model.trust_remote_code),
         RowRules.from_config(cfg),
         PromptSettings.from_config(cfg),
     )

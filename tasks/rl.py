@@ -35,13 +35,14 @@ def check_inputs(cfg: Config, needs_critic: bool):
     Returns the tokenizer."""
     check_custom_reward(cfg)
     check_services(cfg.trainer.connect_timeout_s)  # a deployment's run, which no CLI checked
-    tokenizer = load_tokenizer(cfg.actor.model.path)
-    check_model_dir(cfg.actor.model.path, "actor.model.path")
+    trust = cfg.actor.model.trust_remote_code
+    tokenizer = load_tokenizer(cfg.actor.model.path, trust_remote_code=trust)
+    check_model_dir(cfg.actor.model.path, "actor.model.path", trust_remote_code=trust)
     check_vision(cfg, tokenizer)
     if cfg.critic.model_path and needs_critic:
-        check_model_dir(cfg.critic.model_path, "critic.model_path")
+        check_model_dir(cfg.critic.model_path, "critic.model_path", trust_remote_code=trust)
     if cfg.reward_model.path:
-        check_model_dir(cfg.reward_model.path, "reward_model.path")
+        check_model_dir(cfg.reward_model.path, "reward_model.path", trust_remote_code=trust)
     if cfg.multi_turn.enable and not tokenizer.chat_template:
         raise ConfigError(
             f"multi_turn.enable=true: the tokenizer of actor.model.path={cfg.actor.model.path} has "
@@ -55,7 +56,7 @@ def check_vision(cfg: Config, tokenizer) -> None:
     """The policy directory and actor.model.type agree, and a VLM's image takes at most
     actor.model.vision_token_ratio of max_seq_len; ConfigError naming the key and the fix otherwise."""
     m = cfg.actor.model
-    images = load_image_encoder(m.path, tokenizer)
+    images = load_image_encoder(m.path, tokenizer, trust_remote_code=m.trust_remote_code)
     if (images is not None) != (m.type == "multimodal"):
         what = "a vision-language model" if images is not None else "a text-only model"
         want = "multimodal" if images is not None else "text"

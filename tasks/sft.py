@@ -67,8 +67,9 @@ def run_sft(cfg: Config) -> str:
     torch.set_num_threads(cfg.trainer.num_threads)
     model, images = None, None
     if s.base_model:
-        model = load_model(s.base_model, key="sft.base_model")
-        images = load_image_encoder(s.base_model, tok, "sft.base_model")
+        trust = cfg.actor.model.trust_remote_code
+        model = load_model(s.base_model, key="sft.base_model", trust_remote_code=trust)
+        images = load_image_encoder(s.base_model, tok, "sft.base_model", trust)
     elif cfg.actor.model.type == "multimodal":
         model, processor = compose_policy(cfg, tok, cfg.trainer.seed)
         images = ImageEncoder(processor, model.config.image_tokens)

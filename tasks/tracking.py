@@ -258,7 +258,12 @@ def finalize(
     published as trainer.output_dir/final (what DVC tracks)."""
     final = workers.policy.save_model(str(resume.run_dir / "final"), MODEL)
     model_id = tracker.log_model(
-        final, "final_model", model_config={"apply_chat_template": cfg.data.apply_chat_template}
+        final,
+        "final_model",
+        model_config={
+            "apply_chat_template": cfg.data.apply_chat_template,
+            "trust_remote_code": cfg.actor.model.trust_remote_code,
+        },
     )
     plot = reward_curve(history, resume.run_dir / "reward_curve.png")
     tracker.log_artifact(plot)

@@ -104,6 +104,11 @@ class ModelConfig(Section):
     attention_implementation: Literal["eager", "sdpa", "flash_attention_2"] = Field(
         "sdpa", description="attention kernel passed to transformers"
     )
+    trust_remote_code: bool = Field(
+        False,
+        description="run a model directory's own Python code (its auto_map), for every model the run loads; "
+        "off: such a directory is refused",
+    )
     # a vision-language policy (docs/multimodal.md): SFT composes text_model and vision_model with the fusion
     # layers; training, rollout and evaluation then load the composed model from `path`
     type: Literal["text", "multimodal"] = Field("text", description="text: a causal LM; multimodal: a VLM")

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from components.errors import ConfigError
+from components.models.loading import check_model_code
 from components.tracking.sharded import SHARDS, load_shards
 
 
@@ -39,6 +40,10 @@ def _auto_class(path: Path):
     return AutoModelForImageTextToText if is_vlm_dir(path) else AutoModelForCausalLM
 
 
+# convert splits and merges architectures transformers has (their tensor-parallel plans): never a directory's code
+NO_CODE = "`reinforge convert` never runs it"
+
+
 def to_hf(source: str | Path, out: str | Path) -> Path:
     """Merge the shards in `source` into a Hugging Face directory `out` (safetensors), whatever mesh wrote
     them: the model is built from its config in the dtype it was saved in, then every tensor is read whole from
@@ -49,7 +54,8 @@ def to_hf(source: str | Path, out: str | Path) -> Path:
     from components.models.loading import DTYPES, load_tokenizer, save_pretrained
 
     src = sharded_model_dir(source)
-    config = AutoConfig.from_pretrained(src, local_files_only=True)
+    check_model_code(src, source, "--source", False, NO_CODE)
+    config = AutoConfig.from_pretrained(src, local_files_only=True, trust_remote_code=False)
     saved = json.loads((src / "config.json").read_text())
     dtype = DTYPES.get(saved.get("dtype") or saved.get("torch_dtype") or "float32", torch.float32)
     model = _auto_class(src).from_config(config, dtype=dtype)
@@ -102,6 +108,7 @@ def to_sharded(source: str | Path, out: str | Path, tensor_parallel: int = 1, da
     from components.training.tensor_parallel import plan_problems
 
     src = check_model_dir(source, "--source")
+    check_model_code(src, source, "--source", False, NO_CODE)
     problems = plan_problems(str(src), tensor_parallel, "--source")
     if problems:
         raise ConfigError(problems[0].replace("actor.tensor_model_parallel_size", "--tensor-parallel"))
@@ -118,7 +125,7 @@ def to_sharded(source: str | Path, out: str | Path, tensor_parallel: int = 1, da
         mp.spawn(_shard_worker, args=args, nprocs=world, join=True)
     from transformers import AutoConfig
 
-    AutoConfig.from_pretrained(src, local_files_only=True).save_pretrained(out)
+    AutoConfig.from_pretrained(src, local_files_only=True, trust_remote_code=False).save_pretrained(out)
     saved = load_tokenizer(src, "--source")
     if "vision_config" in json.loads((src / "config.json").read_text()):
         from components.models.vlm import load_processor

@@ -182,7 +182,7 @@ def lora_problems(model_dir: str, s: LoraSettings, key: str = "actor.lora") -> l
         return []
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     linear = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}

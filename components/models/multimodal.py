@@ -80,7 +80,7 @@ def vision_problems(cfg) -> list[str]:
         path = getattr(m, key)
         if path:
             try:
-                check_model_dir(path, f"actor.model.{key}")
+                check_model_dir(path, f"actor.model.{key}", trust_remote_code=m.trust_remote_code)
             except ConfigError as exc:
                 problems.append(str(exc))
     if m.vision_model and not problems:
@@ -123,13 +123,15 @@ def compose_policy(cfg, tokenizer, seed: int):
 
     m, s, ip = cfg.actor.model, cfg.sft, cfg.data.image_processor
     if m.text_model:
-        text = load_model(m.text_model, key="actor.model.text_model")
+        text = load_model(m.text_model, key="actor.model.text_model", trust_remote_code=m.trust_remote_code)
         if text.get_input_embeddings().num_embeddings < len(tokenizer):
             text.resize_token_embeddings(len(tokenizer))
     else:
         text = tiny_model_for(s, m.max_seq_len, tokenizer, seed)
     if m.vision_model:
-        vision = AutoModel.from_pretrained(m.vision_model, local_files_only=True, use_safetensors=True)
+        vision = AutoModel.from_pretrained(
+            m.vision_model, local_files_only=True, use_safetensors=True, trust_remote_code=m.trust_remote_code
+        )
     else:
         vision = tiny_vision_encoder(ip.size, TINY_PATCH, s.hidden_size, 2, s.num_heads, seed + 1)
     grid = image_grid(native_grid(cfg), m.vision_token_ratio, m.max_seq_len)
@@ -147,7 +149,9 @@ def compose_policy(cfg, tokenizer, seed: int):
         from transformers import AutoImageProcessor
 
         # the encoder's own normalisation (its mean and std), at our size
-        own = AutoImageProcessor.from_pretrained(m.vision_model, local_files_only=True)
+        own = AutoImageProcessor.from_pretrained(
+            m.vision_model, local_files_only=True, trust_remote_code=m.trust_remote_code
+        )
         processor.image_processor.image_mean, processor.image_processor.image_std = (
             own.image_mean,
             own.image_std,

@@ -355,7 +355,7 @@ def with_image_token(tokenizer):
 DYNAMIC_RESOLUTION_VLMS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v")
 
 
-def load_processor(path, tokenizer, key: str = "actor.model.path"):
+def load_processor(path, tokenizer, key: str = "actor.model.path", trust_remote_code: bool = False):
     """The processor saved beside a VLM (ours, LLaVA), over `tokenizer` (loaded as saved and checked by
     components.models.loading); ConfigError naming `key` when the directory has none."""
     import json
@@ -365,8 +365,10 @@ def load_processor(path, tokenizer, key: str = "actor.model.path"):
 
     from components.errors import ConfigError
 
+    from components.models.loading import check_model_code
+
     p = Path(path)
-    model_type = json.loads((p / "config.json").read_text()).get("model_type")
+    model_type = check_model_code(p, path, key, trust_remote_code).get("model_type")
     if model_type in DYNAMIC_RESOLUTION_VLMS:
         raise ConfigError(
             f"{key}={path}: a {model_type} model, whose dynamic-resolution image inputs (image_grid_thw, M-RoPE "
@@ -379,7 +381,9 @@ def load_processor(path, tokenizer, key: str = "actor.model.path"):
             "preprocessor_config.json); save the processor beside the model."
         )
     try:
-        return AutoProcessor.from_pretrained(p, tokenizer=tokenizer, local_files_only=True)
+        return AutoProcessor.from_pretrained(
+            p, tokenizer=tokenizer, local_files_only=True, trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError, TypeError, ImportError) as exc:
         raise ConfigError(f"{key}={path}: its processor could not be loaded ({str(exc)[:200]}).") from None
 

@@ -19,14 +19,20 @@ from components.errors import ConfigError
 from components.models.loading import DTYPES, check_model_dir, load_tokenizer
 
 
-def load_reward_model(path: str, dtype: str = "float32", key: str = "reward_model.path"):
+def load_reward_model(
+    path: str, dtype: str = "float32", key: str = "reward_model.path", trust_remote_code: bool = False
+):
     from transformers import AutoModelForSequenceClassification
 
-    tokenizer = load_tokenizer(path, key)
+    tokenizer = load_tokenizer(path, key, trust_remote_code)
     tokenizer.padding_side = "right"  # positions start at 0 for every text; the score is read at its end
-    check_model_dir(path, key)
+    check_model_dir(path, key, trust_remote_code=trust_remote_code)
     model = AutoModelForSequenceClassification.from_pretrained(
-        path, dtype=DTYPES[dtype], local_files_only=True, use_safetensors=True
+        path,
+        dtype=DTYPES[dtype],
+        local_files_only=True,
+        use_safetensors=True,
+        trust_remote_code=trust_remote_code,
     )
     if model.config.num_labels != 1:
         raise ConfigError(
@@ -48,9 +54,10 @@ class RewardModelScorer:
         batch_size: int = 32,
         num_threads: int = 1,
         max_length: int = 1024,
+        trust_remote_code: bool = False,
     ):
         torch.set_num_threads(num_threads)
-        self.tokenizer, self.model = load_reward_model(path, dtype)
+        self.tokenizer, self.model = load_reward_model(path, dtype, trust_remote_code=trust_remote_code)
         self.batch_size, self.max_length = batch_size, max_length
 
     def pid(self) -> int:
@@ -133,7 +140,7 @@ def train_reward_model(
     tokenizer.padding_side = "right"
     check_model_dir(init_path, "sft.output_dir")
     model = AutoModelForSequenceClassification.from_pretrained(
-        init_path, num_labels=1, local_files_only=True, use_safetensors=True
+        init_path, num_labels=1, local_files_only=True, use_safetensors=True, trust_remote_code=False
     )
     model.config.pad_token_id = tokenizer.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

@@ -39,6 +39,7 @@ class EngineOptions:
     # the adapters' target modules (actor.lora.target_modules) where the engine reserves their slots up front
     # (sglang); "all-linear" = every linear layer of the decoder
     lora_targets: tuple[str, ...] | str = "all-linear"
+    trust_remote_code: bool = False  # actor.model.trust_remote_code: run the model directory's own code
 
     @classmethod
     def from_config(cls, cfg) -> EngineOptions:
@@ -53,6 +54,7 @@ class EngineOptions:
             attention_implementation=m.attention_implementation,
             lora_rank=0 if e.lora_merge_on_sync else cfg.actor.lora.rank,
             lora_targets=t if isinstance(t := cfg.actor.lora.target_modules, str) else tuple(t),
+            trust_remote_code=m.trust_remote_code,
         )
 
 

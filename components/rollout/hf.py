@@ -53,7 +53,13 @@ class HFEngine:
         from components.models.loading import load_model
 
         if model is None:
-            model = load_model(path, options.dtype, options.attention_implementation, key)
+            model = load_model(
+                path,
+                options.dtype,
+                options.attention_implementation,
+                key,
+                trust_remote_code=options.trust_remote_code,
+            )
             if torch.cuda.is_available():  # a Ray actor sees only the GPUs it reserved (engine.num_gpus)
                 model = model.to("cuda")
         return cls(model, eos_id, pad_id)

@@ -114,6 +114,7 @@ class SGLangEngine:
         self.path, self.adapter_dirs, self.lora_name = path, None, None
         self.engine = sglang.Engine(
             model_path=path,
+            trust_remote_code=self.options.trust_remote_code,
             dtype=options.dtype,
             tp_size=options.tensor_parallel_size,
             mem_fraction_static=options.gpu_memory_utilization,

@@ -58,6 +58,7 @@ class TRTLLMEngine:
         kv = self.trt.llmapi.KvCacheConfig(free_gpu_memory_fraction=self.options.gpu_memory_utilization)
         return self.trt.LLM(
             model=path,
+            trust_remote_code=self.options.trust_remote_code,
             tensor_parallel_size=self.options.tensor_parallel_size,
             dtype=self.options.dtype,
             kv_cache_config=kv,

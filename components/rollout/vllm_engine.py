@@ -92,6 +92,7 @@ class VLLMEngine:
         self.llm = vllm.LLM(
             model=path,
             tokenizer=path,
+            trust_remote_code=options.trust_remote_code,
             dtype=options.dtype,
             seed=options.seed,
             tensor_parallel_size=options.tensor_parallel_size,

@@ -62,8 +62,9 @@ class RolloutWorker:
         adapters, which a copy of its own holds over the base and receives alone (set here, in the
         constructor, so an actor Ray restarts holds them again). `partial`: RolloutSettings.partial."""
         torch.set_num_threads(num_threads)
-        self.tokenizer = load_tokenizer(model_path, key)
-        self.images = load_image_encoder(model_path, self.tokenizer, key)  # None for a text-only policy
+        trust = (options or EngineOptions()).trust_remote_code
+        self.tokenizer = load_tokenizer(model_path, key, trust)
+        self.images = load_image_encoder(model_path, self.tokenizer, key, trust)  # None: a text-only policy
         self.prompts = prompts or PromptSettings()
         self.engine = make_engine(
             engine_type,

@@ -24,10 +24,10 @@ class Policy(PythonModel):
         from components.data.prompts import PromptSettings
         from components.generation import Completer
 
-        template = (context.model_config or {}).get("apply_chat_template")
-        self.complete = Completer(
-            context.artifacts[WEIGHTS], PromptSettings(template), key="the logged model"
-        )
+        config = context.model_config or {}
+        settings = PromptSettings(config.get("apply_chat_template"))
+        trust = bool(config.get("trust_remote_code", False))  # as the run that trained it was told
+        self.complete = Completer(context.artifacts[WEIGHTS], settings, "the logged model", trust)
 
     def predict(self, context, model_input, params: dict | None = None):
         import pandas as pd

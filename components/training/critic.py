@@ -52,11 +52,13 @@ class ValueModel(torch.nn.Module):
         return values * response_mask
 
 
-def build_value_model(path: str, dtype: str, attention: str, key: str, lora: LoraSettings) -> ValueModel:
+def build_value_model(
+    path: str, dtype: str, attention: str, key: str, lora: LoraSettings, trust_remote_code: bool = False
+) -> ValueModel:
     """The critic: the causal LM at `path` (`key` names it in errors) as a backbone, with LoRA adapters
     injected into its layers when `lora` is enabled (its weights then frozen: the adapters and the value head
     train, and only they get optimizer state)."""
-    backbone = load_model(path, dtype, attention, key)
+    backbone = load_model(path, dtype, attention, key, trust_remote_code=trust_remote_code)
     if lora.enabled:
         apply_lora(backbone, lora, path)  # in place: the backbone's own modules get the adapters
     return ValueModel(backbone)

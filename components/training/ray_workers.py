@@ -467,11 +467,16 @@ def _start_reward_model(placement: Placement, num_threads: int, timeout_s: float
     from components.models.loading import check_model_dir
     from components.rewards.reward_model import RewardModelScorer
 
+    # a clear error here, not a failed actor start
     check_model_dir(
-        placement.reward_model, "reward_model.path"
-    )  # a clear error here, not a failed actor start
+        placement.reward_model, "reward_model.path", trust_remote_code=placement.trust_remote_code
+    )
     actor = ray.remote(num_cpus=0, max_restarts=3)(RewardModelScorer).remote(
-        placement.reward_model, placement.reward_model_dtype, placement.reward_model_batch_size, num_threads
+        placement.reward_model,
+        placement.reward_model_dtype,
+        placement.reward_model_batch_size,
+        num_threads,
+        trust_remote_code=placement.trust_remote_code,
     )
     return RewardModelActor([actor], [ray.get(actor.pid.remote())], timeout_s)
 

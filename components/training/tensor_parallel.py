@@ -96,7 +96,8 @@ def plan_problems(
         ]
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    # the plan of an architecture transformers has: a directory's own code is never run for it
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     text = config.get_text_config()
     if not declared_plan(text):
         return [

@@ -140,9 +140,10 @@ class PolicyWorker:
         # hold the same rows
         self.comm = D.make_comm(self.mesh["dp"].get_group() if self.mesh is not None else None)
         m = s.model
-        self.tokenizer = load_tokenizer(m.path)
-        self.images = load_image_encoder(m.path, self.tokenizer)  # None for a text-only policy
-        policy = load_model(m.path, m.dtype, m.attention_implementation)
+        trust = m.trust_remote_code  # a model directory's own code runs only if the user said so
+        self.tokenizer = load_tokenizer(m.path, trust_remote_code=trust)
+        self.images = load_image_encoder(m.path, self.tokenizer, trust_remote_code=trust)  # None: text only
+        policy = load_model(m.path, m.dtype, m.attention_implementation, trust_remote_code=trust)
         freeze_vision(policy, m)
         if s.lora.enabled:  # adapters over the frozen base: only they train (and get optimizer state)
             policy = apply_lora(policy, s.lora, m.path)
@@ -161,7 +162,8 @@ class PolicyWorker:
         if s.reference and s.lora.enabled:  # the base itself: the policy with its adapters off, no copy
             ref = AdaptersOff(policy)
         elif s.reference:
-            ref = load_model(m.path, m.dtype, m.attention_implementation).eval().requires_grad_(False)
+            ref = load_model(m.path, m.dtype, m.attention_implementation, trust_remote_code=trust)
+            ref = ref.eval().requires_grad_(False)
         settings = update_for(s, spec.world_size)
         opt, sched = self._optimizer(self.model, s.optimizer, s.model)
         self.trainer = PolicyTrainer(
@@ -205,7 +207,12 @@ class PolicyWorker:
         m, c = self.s.model, self.s.critic
         key = "critic.model_path" if c.model_path else "actor.model.path"
         value_model = build_value_model(
-            c.model_path or m.path, m.dtype, m.attention_implementation, key, LoraSettings.from_config(c.lora)
+            c.model_path or m.path,
+            m.dtype,
+            m.attention_implementation,
+            key,
+            LoraSettings.from_config(c.lora),
+            m.trust_remote_code,
         )
         model = self._wrap(value_model, c.optimizer)
         opt, sched = self._optimizer(model, c.optimizer)
@@ -466,7 +473,8 @@ class ReferenceWorker:
     def __init__(self, s: ReferenceSettings):
         torch.set_num_threads(s.num_threads)
         m = s.model
-        self.model = load_model(m.path, m.dtype, m.attention_implementation).eval().requires_grad_(False)
+        model = load_model(m.path, m.dtype, m.attention_implementation, trust_remote_code=m.trust_remote_code)
+        self.model = model.eval().requires_grad_(False)
         self.temperature, self.micro = s.temperature, s.micro_batch_size
 
     def logprobs(self, batch: Batch) -> torch.Tensor:

@@ -61,6 +61,12 @@ def repo(tmp_path_factory, prefect_api):
     )  # the stages report to one server instead of starting one each
     git(repo, env, "init", "-q")
     commit(repo, env, "init")
+    # the project's default remote, moved to a directory of this test's (the user's cache is left alone)
+    sh(
+        [str(VENV_BIN / "dvc"), "remote", "modify", "--local", "store", "url", str(repo.parent / "store")],
+        repo,
+        env,
+    )
     return repo, env
 
 
@@ -102,7 +108,33 @@ def test_repro_all_then_nothing_then_only_dependents(repo):
     second = sh([DVC, "repro", "dvc.yaml"], repo, env)
     assert "Running stage" not in second
     assert "up to date" in sh([DVC, "status", "dvc.yaml"], repo, env)
+    # the pipeline changed nothing in git but its two results (this repository's config is smaller than the
+    # committed one): no .gitignore written, no marker or log file left untracked
+    changed = git(repo, env, "status", "--porcelain").splitlines()
+    assert sorted(changed) == [" M dvc.lock", " M metrics/eval.json"], changed
     commit(repo, env, "the pipeline's results")  # dvc.lock and metrics/eval.json, as a user commits them
+    sh([DVC, "push", "dvc.yaml"], repo, env)  # what `make run` does after the repro
+
+
+def test_a_fresh_clone_pulls_the_outputs_then_reproduces_them_and_stays_clean(repo, tmp_path):
+    """A second clone (`make run`'s `dvc repro --pull`) takes the outputs from the remote instead of running the
+    stages, and git stays clean; trained again from the same SFT model (`dvc repro -f -s`), the train stage
+    writes the same bytes, so git stays clean too (the run directories, MLflow ids and timestamps are not
+    DVC outputs)."""
+    repo, env = repo
+    clone = tmp_path / "clone"
+    sh(["git", "clone", "-q", str(repo), str(clone)], tmp_path, env)
+    (clone / ".venv").symlink_to(VENV_BIN.parent)
+    sh([DVC, "remote", "modify", "--local", "store", "url", str(repo.parent / "store")], clone, env)
+    pulled = sh([DVC, "repro", "--pull", "dvc.yaml"], clone, env)
+    assert (
+        "Running stage" not in pulled and (clone / "checkpoints" / "grpo" / "final" / "config.json").is_file()
+    )
+    assert git(clone, env, "status", "--porcelain") == ""
+    sh([DVC, "repro", "-f", "-s", "dvc.yaml:train"], clone, env)
+    assert (clone / "checkpoints" / "grpo" / "runs").is_dir()  # it trained, in a run directory of its own
+    assert "Running stage" not in sh([DVC, "repro", "dvc.yaml"], clone, env)  # evaluate's input is unchanged
+    assert git(clone, env, "status", "--porcelain") == ""
     # a changed training parameter re-runs only train and evaluate: test_repro_killed_mid_training_... below
 
 
@@ -251,6 +283,16 @@ def test_an_edited_reward_function_reruns_training(repo):
     status = sh([DVC, "status", "dvc.yaml"], repo, env)
     assert "train:" in status and "evaluate:" in status and "rewards" in status
     git(repo, env, "checkout", "--", "rewards/example.py")
+
+
+def test_make_clean_leaves_every_tracked_file(repo):
+    repo, env = repo
+    tracked = git(repo, env, "ls-files").split()
+    res = subprocess.run(["make", "clean"], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert [f for f in tracked if not (repo / f).exists()] == []
+    assert not (repo / "checkpoints").exists() and not (repo / "mlruns.db").exists()  # what the runs wrote
+    sh([DVC, "checkout", "dvc.yaml"], repo, env)  # the outputs back from DVC's cache
 
 
 def test_dataset_edited_behind_dvcs_back_stops_training(repo):

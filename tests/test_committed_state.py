@@ -1,0 +1,68 @@
+"""What a commit holds is current: dvc.lock records this code, these params and commands, and the metrics files
+it names. A fresh clone's `dvc status` reports only the outputs it has not made yet (deleted, not in cache),
+never a changed dependency, parameter, command or metric: otherwise `make run` would dirty git at once, and
+`dvc metrics diff` or `dvc plots diff` against HEAD would compare against results nobody can reproduce."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DVC = str(Path(sys.executable).parent / "dvc")
+
+
+@pytest.fixture(scope="module")
+def fresh_copy(tmp_path_factory) -> Path:
+    """The tracked files as a fresh clone has them (the working tree's: uncommitted edits count), no outputs."""
+    copy = tmp_path_factory.mktemp("committed")
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    for f in files:
+        if (ROOT / f).is_file():
+            (copy / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, copy / f)
+    subprocess.run(["git", "init", "-q"], cwd=copy, check=True)
+    return copy
+
+
+def stage_outputs(root: Path, pipeline: str) -> set[str]:
+    """What the pipeline's stages make, as paths relative to the repository (as `dvc status` names them)."""
+    file = root / pipeline
+    outs = set()
+    for stage in yaml.safe_load(file.read_text())["stages"].values():
+        wdir = file.parent / stage.get("wdir", ".")
+        for entry in stage.get("outs", []) + stage.get("metrics", []):
+            path = next(iter(entry)) if isinstance(entry, dict) else entry
+            outs.add((wdir / path).resolve().relative_to(root.resolve()).as_posix())
+    return outs
+
+
+@pytest.mark.parametrize("pipeline", ["dvc.yaml", "vlm/dvc.yaml"])
+def test_dvc_lock_records_this_code_config_and_metrics(fresh_copy, pipeline):
+    res = subprocess.run(
+        [DVC, "status", "--json", pipeline], cwd=fresh_copy, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    made = stage_outputs(fresh_copy, pipeline)
+    stale = []
+    for stage, changes in json.loads(res.stdout or "{}").items():
+        for change in changes:
+            if not isinstance(change, dict) or set(change) - {"changed deps", "changed outs"}:
+                stale.append((stage, change))  # a changed command or params, or a stage missing from the lock
+                continue
+            for path, what in change.get("changed deps", {}).items():
+                if what != "deleted" or not any(path == o or path.startswith(o + "/") for o in made):
+                    stale.append((stage, path, what))
+            for path, what in change.get("changed outs", {}).items():
+                if what not in ("deleted", "not in cache"):
+                    stale.append((stage, path, what))
+    assert not stale, (
+        f"{pipeline}'s lock file is not this checkout's: {stale}. Run the pipeline "
+        f"(`dvc repro {pipeline}`) and commit its dvc.lock and metrics file."
+    )
