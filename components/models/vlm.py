@@ -358,13 +358,11 @@ DYNAMIC_RESOLUTION_VLMS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
 def load_processor(path, tokenizer, key: str = "actor.model.path", trust_remote_code: bool = False):
     """The processor saved beside a VLM (ours, LLaVA), over `tokenizer` (loaded as saved and checked by
     components.models.loading); ConfigError naming `key` when the directory has none."""
-    import json
     from pathlib import Path
 
     from transformers import AutoProcessor
 
     from components.errors import ConfigError
-
     from components.models.loading import check_model_code
 
     p = Path(path)

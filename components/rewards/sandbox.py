@@ -12,14 +12,21 @@ Python starts with -I -S (no user or site directories).
 
 Limits count the whole process tree of a run, not each process: a watcher sums the CPU time and resident
 memory of every process under bwrap and kills the group at `cpu_s` or `memory_mb` (rlimits stay on each
-process as a second line). Running as root, the code drops to a uid leased for the run from a machine-wide
-range (a lock file per uid), so two sandboxes, in this process or any other, never share a uid, and
-RLIMIT_NPROC counts only that sandbox's processes; as any other user, bwrap adds a user namespace and the
-watcher also kills a tree over `max_processes`. Stdout and stderr go to files capped by RLIMIT_FSIZE, so
-printing 10^9 characters stops at the cap.
+process as a second line). Memory that is no process's resident memory is held too: a seccomp filter
+(components/rewards/seccomp.py) denies new namespaces, mounts, SysV and POSIX shared memory and memfd, so the
+only writable place is the /tmp tmpfs of `tmp_mb`; and where the machine allows it, the run is in a memory
+cgroup of its own (components/rewards/cgroup.py) limited to memory_mb + tmp_mb, which counts every page the run
+causes. bwrap reads its arguments from a pipe (`--args`), so the sandbox's /proc/1/cmdline shows none of them,
+and bwrap itself runs with an empty environment.
 
-`Sandbox.session` keeps the program running and talks to it over pipes: the code reward runs the solution
-there and asks it for the values of calls, one at a time (components/rewards/code_exec.py).
+Running as root, the code drops to a uid leased for the run from a machine-wide range (a lock file per uid),
+so two sandboxes, in this process or any other, never share a uid, and RLIMIT_NPROC counts only that sandbox's
+processes; as any other user, bwrap adds a user namespace and the watcher also kills a tree over
+`max_processes`. Stdout and stderr go to files capped by RLIMIT_FSIZE, so printing 10^9 characters stops at
+the cap.
+
+`Sandbox.session` keeps the program running and talks to it over pipes: the code reward runs the
+solution there and asks it for the values of calls, one at a time (components/rewards/code_exec.py).
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from components.rewards.cgroup import MemoryCgroup, memory_cgroup
+from components.rewards.seccomp import seccomp_filter
+
 INSTALL_HINT = (
     "install bubblewrap (Debian/Ubuntu: `apt-get install -y bubblewrap`; Fedora: `dnf install "
     "bubblewrap`), or do not use the code reward"
@@ -53,6 +63,8 @@ UID_RANGE = 1024
 UID_LOCKS = Path(tempfile.gettempdir()) / "reinforge-sandbox-uids"
 PACKAGES_DIR = "/opt/reinforge-packages"
 WATCH_INTERVAL_S = 0.05
+# the run's memory cgroup holds memory_mb + tmp_mb and this much for bwrap and the kernel's own pages
+CGROUP_SLACK_MB = 64
 
 
 class SandboxUnavailable(RuntimeError):
@@ -243,12 +255,22 @@ class Sandbox:
     def __init__(self, limits: SandboxLimits = SandboxLimits(), concurrency: int = 2):
         self.limits = limits
         self.bwrap = bwrap_path()
+        try:
+            self.seccomp = seccomp_filter()
+        except KeyError:
+            import platform
+
+            raise SandboxUnavailable(
+                f"the sandbox has no seccomp filter for this machine's architecture ({platform.machine()}); "
+                "code is not run unconfined"
+            ) from None
         self.as_root = os.getuid() == 0
         self._slots: queue.Queue[int] = queue.Queue()
         for slot in range(concurrency):
             self._slots.put(slot)
 
-    def _command(self, python_args: list[str]) -> list[str]:
+    def _options(self, seccomp_fd: int) -> list[str]:
+        """bwrap's options, read from a pipe (`--args`): the sandbox's /proc/1/cmdline shows none of them."""
         lim = self.limits
         ns = ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
         if not self.as_root:
@@ -273,7 +295,6 @@ class Sandbox:
                 env += ["--setenv", key, os.environ[key]]
         caps = ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if self.as_root else []
         return [
-            self.bwrap,
             *ns,
             "--die-with-parent",
             "--new-session",
@@ -292,11 +313,8 @@ class Sandbox:
             "--chdir",
             "/tmp",
             *caps,
-            "--",
-            _interpreter(),
-            "-I",
-            "-S",
-            *python_args,
+            "--seccomp",
+            str(seccomp_fd),
         ]
 
     def _prelude(self, uid: int | None) -> str:
@@ -310,10 +328,12 @@ class Sandbox:
             lines.append(f"import os as _o\n_o.setgroups([]); _o.setgid({uid}); _o.setuid({uid})\ndel _o")
         return "\n".join(lines) + "\n" if lines else ""
 
-    def _preexec(self, nproc: int):
+    def _preexec(self, nproc: int, group: MemoryCgroup | None):
         lim = self.limits
 
         def apply() -> None:
+            if group is not None:  # bwrap and all it starts are counted from their first page
+                group.join()
             mem = lim.memory_mb << 20
             for kind, value in (
                 (resource.RLIMIT_AS, mem),
@@ -333,10 +353,12 @@ class Sandbox:
         interpreter's arguments made by python_args(prelude); on leaving the block the whole group is killed
         and collect() classifies how it ended (run.result)."""
         slot = self._slots.get()
+        limit = (self.limits.memory_mb + self.limits.tmp_mb + CGROUP_SLACK_MB) << 20
         try:
             with (
                 uid_lease() if self.as_root else _no_uid() as uid,
                 tempfile.TemporaryDirectory(prefix="reinforge-sandbox-") as tmp,
+                memory_cgroup(limit) as group,
             ):
                 nproc = (
                     self.limits.max_processes
@@ -344,21 +366,28 @@ class Sandbox:
                     else _user_processes() + self.limits.max_processes
                 )
                 out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-                with open(out_path, "wb") as out, open(err_path, "wb") as err:
-                    prelude = self._prelude(uid)
+                prelude = self._prelude(uid)
+                with (
+                    open(out_path, "wb") as out,
+                    open(err_path, "wb") as err,
+                    _pipe_holding(self.seccomp) as seccomp_fd,
+                    _pipe_holding(_nul_joined(self._options(seccomp_fd))) as args_fd,
+                ):
+                    command = [self.bwrap, "--args", str(args_fd), "--", _interpreter(), "-I", "-S"]
                     proc = subprocess.Popen(
-                        self._command(python_args(prelude)),
+                        [*command, *python_args(prelude)],
                         stdin=subprocess.PIPE,
                         stdout=out,
                         stderr=err,
-                        preexec_fn=self._preexec(nproc),
+                        preexec_fn=self._preexec(nproc, group),
                         start_new_session=True,
                         close_fds=True,
-                        pass_fds=pass_fds,
+                        pass_fds=(args_fd, seccomp_fd, *pass_fds),
+                        env={"PATH": "/usr/bin:/bin"},  # bwrap holds none of this process's variables
                     )
                     watcher = _Watcher(proc.pid, self.limits, count_processes=not self.as_root)
                     watcher.start()
-                    run = _Run(proc, watcher, out_path, err_path, self.limits, prelude)
+                    run = _Run(proc, watcher, out_path, err_path, self.limits, prelude, group)
                     try:
                         yield run
                     finally:
@@ -411,9 +440,16 @@ class _Run:
     """One sandboxed process and how it ended (`result`, filled in by collect())."""
 
     def __init__(
-        self, proc, watcher: _Watcher, out_path: str, err_path: str, limits: SandboxLimits, prelude: str
+        self,
+        proc,
+        watcher: _Watcher,
+        out_path: str,
+        err_path: str,
+        limits: SandboxLimits,
+        prelude: str,
+        group: MemoryCgroup | None = None,
     ):
-        self.proc, self.watcher, self.limits, self.prelude = proc, watcher, limits, prelude
+        self.proc, self.watcher, self.limits, self.prelude, self.group = proc, watcher, limits, prelude, group
         self.out_path, self.err_path = out_path, err_path
         self.timed_out = False
         self.start = time.perf_counter()
@@ -426,6 +462,8 @@ class _Run:
         rc = self.proc.returncode
         if self.watcher.reason:
             status = self.watcher.reason
+        elif self.group is not None and self.group.oom_kills():  # the cgroup's limit: every page counted
+            status = "memory"
         elif self.timed_out or rc in (
             128 + signal.SIGXCPU,
             -signal.SIGXCPU,
@@ -592,6 +630,27 @@ def _user_processes() -> int:
             except OSError:
                 pass
     return count
+
+
+@contextmanager
+def _pipe_holding(data: bytes):
+    """The read end of a pipe that already holds `data` (written whole, the write end closed), for a child."""
+    read_fd, write_fd = os.pipe()
+    try:
+        if len(data) > 65536:  # a pipe's buffer: written here before the child reads, so it must fit
+            raise SandboxUnavailable(f"the sandbox's arguments are {len(data)} bytes, more than a pipe holds")
+        os.write(write_fd, data)
+        os.close(write_fd)
+        write_fd = -1
+        yield read_fd
+    finally:
+        if write_fd >= 0:
+            os.close(write_fd)
+        os.close(read_fd)
+
+
+def _nul_joined(args: list[str]) -> bytes:
+    return b"".join(a.encode() + b"\0" for a in args)
 
 
 def _kill_group(pgid: int) -> None:
