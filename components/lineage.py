@@ -6,8 +6,6 @@ import hashlib
 import json
 from pathlib import Path
 
-import yaml
-
 from components.errors import DataError
 
 
@@ -57,7 +55,9 @@ def locked_md5s(lock: str | Path = "dvc.lock") -> dict[str, str]:
     p = Path(lock)
     if not p.is_file():
         return {}
-    data = yaml.safe_load(p.read_text()) or {}
+    from components.config.loader import load_yaml_text  # linear in the file, whatever its aliases
+
+    data = load_yaml_text(p.read_text(), str(p)) or {}
     out = {}
     for stage in (data.get("stages") or {}).values():
         for o in stage.get("outs") or []:

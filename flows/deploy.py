@@ -72,10 +72,10 @@ class PipelinesFile(BaseModel):
 
 
 def load_pipelines(path: str | Path = PROJECT_ROOT / "pipelines.yaml") -> list[Pipeline]:
+    from components.config.loader import read_yaml
+
     try:
-        pf = PipelinesFile.model_validate(yaml.safe_load(Path(path).read_text()))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read pipelines: {exc}") from None
+        pf = PipelinesFile.model_validate(read_yaml(path, "pipelines file"))
     except ValidationError as exc:
         raise ConfigError(
             f"{path}: " + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())

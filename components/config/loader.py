@@ -28,7 +28,7 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
             if not isinstance(node, dict):
                 raise ConfigError(f"override `{item}`: `{part}` is both a value and a section")
         try:
-            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+            node[parts[-1]] = load_yaml_text(raw, f"override `{key}`") if raw.strip() else None
         except yaml.YAMLError as exc:
             problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
             raise ConfigError(
@@ -42,24 +42,58 @@ def _mark(mark) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}"
 
 
-def _duplicate_keys(node, path: Path, prefix: str = "") -> None:
-    """ConfigError naming the first key that a mapping of the composed YAML holds twice, with both lines (YAML
-    itself keeps the last value silently, and a repeated section would replace the earlier one whole)."""
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[Any, Any] = {}
-        for key_node, value_node in node.value:
-            key = key_node.value
-            dotted = f"{prefix}.{key}" if prefix else str(key)
-            if key in seen:
-                raise ConfigError(
-                    f"{path}: key `{dotted}` is set twice (line {seen[key].line + 1} and line "
-                    f"{key_node.start_mark.line + 1}); keep one of them."
-                )
-            seen[key] = key_node.start_mark
-            _duplicate_keys(value_node, path, dotted)
-    elif isinstance(node, yaml.SequenceNode):
-        for item in node.value:
-            _duplicate_keys(item, path, prefix)
+# how many values a YAML document may stand for once its aliases are expanded: a config has a few hundred; nested
+# aliases ("billion laughs") can make a few hundred bytes stand for billions, which every later step would walk
+MAX_EXPANDED_NODES = 100_000
+
+
+def _check_nodes(root, where: str) -> None:
+    """One walk over the composed YAML, each node once however many aliases point at it (linear in the file):
+    ConfigError naming the first key a mapping holds twice, with both lines (YAML itself keeps the last value
+    silently, and a repeated section would replace the earlier one whole), and when the document expands past
+    MAX_EXPANDED_NODES values through its aliases."""
+    expanded: dict[int, int] = {}  # id(node) -> the values it stands for, aliases expanded
+
+    def walk(node, prefix: str) -> int:
+        if id(node) in expanded:  # an alias to a node already walked: its size is known
+            return expanded[id(node)]
+        expanded[id(node)] = 1  # a cycle (a recursive alias) counts once
+        size = 1
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for key_node, value_node in node.value:
+                key = key_node.value
+                dotted = f"{prefix}.{key}" if prefix else str(key)
+                if isinstance(key, str) and key in seen:
+                    raise ConfigError(
+                        f"{where}: key `{dotted}` is set twice (line {seen[key].line + 1} and line "
+                        f"{key_node.start_mark.line + 1}); keep one of them."
+                    )
+                if isinstance(key, str):
+                    seen[key] = key_node.start_mark
+                size += 1 + walk(value_node, dotted)
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                size += walk(item, prefix)
+        if size > MAX_EXPANDED_NODES:
+            raise ConfigError(
+                f"{where}: {_mark(node.start_mark)}: this value expands to more than {MAX_EXPANDED_NODES:,} "
+                "values through YAML aliases (&anchor / *alias); write the values out, or alias less."
+            )
+        expanded[id(node)] = size
+        return size
+
+    walk(root, "")
+
+
+def load_yaml_text(text: str, where: str):
+    """YAML text parsed safely and in time linear in its length: composed, checked (_check_nodes), then
+    constructed; None for an empty document."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    if node is None:
+        return None
+    _check_nodes(node, where)
+    return yaml.SafeLoader(text).construct_document(node)
 
 
 def read_yaml(path: str | Path, what: str = "config file") -> Any:
@@ -81,14 +115,13 @@ def read_yaml(path: str | Path, what: str = "config file") -> Any:
             "the file as UTF-8."
         ) from None
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        if node is None:
+        value = load_yaml_text(text, str(p))
+        if value is None:
             raise ConfigError(
                 f"{what} {p} is empty; give at least one section (e.g. `trainer:`), or leave "
                 "--config out to use configs/arith_grpo.yaml."
             )
-        _duplicate_keys(node, p)
-        return yaml.safe_load(text)
+        return value
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{_mark(mark)}: " if mark is not None else ""

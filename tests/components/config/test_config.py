@@ -143,3 +143,38 @@ def test_shipped_configs_are_valid(path):
             load_config(path)
         except ConfigError as exc:
             assert problems and all(p in str(exc) for p in problems)
+
+
+def laughs(levels: int, width: int = 9) -> str:
+    """A "billion laughs" YAML: each level a list of `width` aliases to the one before (width**levels values)."""
+    lines = ['l0: &l0 ["lol"]']
+    for i in range(1, levels + 1):
+        lines.append(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * width)}]")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("levels", [6, 9, 30])
+def test_nested_aliases_are_refused_in_linear_time(tmp_path, levels):
+    """A small file whose aliases stand for billions of values is refused at once, naming the line, instead
+    of being walked value by value (81 s at 9 levels before)."""
+    import time
+
+    path = tmp_path / "laughs.yaml"
+    path.write_text(laughs(levels) + "trainer:\n  iterations: 3\n")
+    start = time.perf_counter()
+    with pytest.raises(
+        ConfigError, match=r"laughs.yaml: line \d+, column \d+: this value expands to more than"
+    ):
+        load_config(path)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_aliases_that_stay_small_still_work_and_overrides_are_bounded_too(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("actor:\n  optimizer: &o {lr: 0.001}\ncritic:\n  optimizer: *o\n")
+    cfg = load_config(path)
+    assert cfg.actor.optimizer.lr == cfg.critic.optimizer.lr == 0.001
+    levels = ["&l0 [lol]"] + [f"&l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 10)]
+    with pytest.raises(ConfigError, match="override `x`: line 1, column .*: this value expands to more than"):
+        parse_overrides(["x=[" + ", ".join(levels) + "]"])
+    assert parse_overrides(["y=[&a [1, 2], *a]"])["y"] == [[1, 2], [1, 2]]
