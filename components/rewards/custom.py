@@ -1,19 +1,30 @@
 """`custom_reward_function.{path, name}`: a user's scorer loaded from a Python file inside the project.
 
-The module is pickled by value, so Ray workers that score in other processes get the same function without
-the file being importable there. Errors name the file and line.
+The file is user code, and importing it runs whatever it does at import. So it is first imported in a short-lived
+process of its own, at config validation (`check_custom_reward`): a file that exits there (sys.exit, os._exit),
+starts a thread that would keep the run alive, hangs, raises, or lacks the function is refused with one line
+naming the file (and line), before anything starts. The run itself never imports it in the driver: the scorer
+is a `CustomReward` holding the file's source, imported on its first call in the process that scores (the
+RewardScorer actor; the evaluation's own process), where an exit or a thread at import is a RewardError naming
+the file. Shipped by value, so Ray workers on other nodes score with the same code.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
+import hashlib
+import json
+import subprocess
 import sys
+import threading
 import traceback
+import types
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
-from components.errors import ConfigError
+from components.errors import ConfigError, RewardError
+
+CHECK_TIMEOUT_S = 60.0  # importing the file in the check process: a hang there is refused
 
 
 def _line_in(exc: BaseException, path: Path) -> str:
@@ -24,16 +35,8 @@ def _line_in(exc: BaseException, path: Path) -> str:
     return f"{path}:{frames[-1].lineno}" if frames else str(path)
 
 
-def check_custom_reward(cfg) -> None:
-    """At config validation: custom_reward_function.path is a Python file inside the project that imports and
-    defines `name` with the reward signature (ConfigError naming the key, the file and line otherwise)."""
-    if cfg.custom_reward_function.path:
-        load_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
-
-
-def load_custom_reward(path: str, name: str):
-    """The function `name` of the file at `path` (relative to the working directory, which must contain it),
-    loaded once per file content."""
+def _file_of(path: str) -> Path:
+    """The file at `path` (relative to the working directory, which must contain it)."""
     root, file = Path.cwd().resolve(), Path(path).resolve()
     if root not in file.parents:
         raise ConfigError(
@@ -45,61 +48,196 @@ def load_custom_reward(path: str, name: str):
             f"custom_reward_function.path={path}: no Python file there. Give the path of a .py "
             "file that defines the reward function."
         )
-    stat = file.stat()
-    return _load(path, file, name, stat.st_mtime_ns, stat.st_size)
+    return file
+
+
+def check_custom_reward(cfg) -> None:
+    """At config validation: custom_reward_function.path is a Python file inside the project that imports,
+    in a process of its own, without exiting, hanging or leaving a thread running, and defines `name` with the
+    reward signature (ConfigError or RewardError naming the key, the file and line otherwise)."""
+    c = cfg.custom_reward_function
+    if c.path:
+        file = _file_of(c.path)
+        _checked(c.path, str(file), c.name, hashlib.md5(file.read_bytes()).hexdigest())
+
+
+def load_custom_reward(path: str, name: str) -> CustomReward:
+    """The scorer `name` of the file at `path`, checked (check_custom_reward) but not imported here."""
+    file = _file_of(path)
+    source = file.read_bytes()
+    _checked(path, str(file), name, hashlib.md5(source).hexdigest())
+    return CustomReward(path, str(file), name, source.decode("utf-8", "replace"))
+
+
+# run by `python -c` in the check process: import the file, then report on stdout as JSON and leave with
+# os._exit, so a thread the file started cannot keep this process alive either
+CHECK = r"""
+import importlib.util, inspect, json, os, sys, threading, traceback
+file, name = sys.argv[1], sys.argv[2]
+
+def report(**fields):
+    sys.stdout.write(json.dumps(fields))
+    sys.stdout.flush()
+    os._exit(0)
+
+def line_of(exc):
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        return exc.lineno
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.realpath(f.filename) == file]
+    return frames[-1].lineno if frames else None
+
+before = set(threading.enumerate())
+try:
+    spec = importlib.util.spec_from_file_location("reinforge_custom_reward_check", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+except SystemExit as exc:
+    report(problem="exit", code=repr(exc.code), line=line_of(exc))
+except BaseException as exc:
+    report(problem="raised", type=type(exc).__name__, message=str(exc)[:300], line=line_of(exc))
+threads = [t.name for t in threading.enumerate() if t not in before and not t.daemon]
+fn = getattr(module, name, None)
+found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+signature, binds = None, True
+if callable(fn):
+    try:
+        signature = str(inspect.signature(fn))
+        inspect.signature(fn).bind("response", "ground truth", {})
+    except TypeError as exc:
+        binds = str(exc)
+    except ValueError:
+        pass
+report(threads=threads, callable=callable(fn), found=found, signature=signature, binds=binds)
+"""
 
 
 @lru_cache(maxsize=8)
-def _load(path: str, file: Path, name: str, _mtime_ns: int, _size: int):
-    module_name = f"reinforge_custom_reward_{abs(hash(str(file)))}"
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    module = importlib.util.module_from_spec(spec)
+def _checked(path: str, file: str, name: str, _digest: str) -> None:
+    """Import the file in a process of its own and check what it defines, once per file content."""
+    where = f"custom_reward_function.path={path}"
     try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
+        res = subprocess.run(
+            [sys.executable, "-c", CHECK, file, name],
+            capture_output=True,
+            text=True,
+            timeout=CHECK_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        raise RewardError(
+            f"{where}: importing it did not finish within {CHECK_TIMEOUT_S:g} s; a reward module must not "
+            "block at import (do the work inside the function)."
+        ) from None
+    try:
+        report = json.loads(res.stdout or "null")
+    except ValueError:
+        report = None
+    if not isinstance(report, dict):
+        raise RewardError(
+            f"{where}: importing it ended the process (exit code {res.returncode}) before it could be "
+            "checked; a reward module must not exit, kill or replace its process at import."
+        )
+    at = f"{file}:{report['line']}" if report.get("line") else file
+    if report.get("problem") == "exit":
+        raise RewardError(
+            f"{where}: it calls sys.exit({report['code']}) at import ({at}); a reward module must not end "
+            "the process. Remove the exit, or move it under `if __name__ == '__main__':`."
+        )
+    if report.get("problem") == "raised":
         raise ConfigError(
-            f"custom_reward_function.path={path}: loading it failed at {_line_in(exc, file)}: "
-            f"{type(exc).__name__}: {exc}. Fix the file."
-        ) from exc
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+            f"{where}: loading it failed at {at}: {report['type']}: {report['message']}. Fix the file."
+        )
+    if report["threads"]:
+        raise RewardError(
+            f"{where}: it starts a thread at import ({', '.join(report['threads'])[:80]}) that would keep "
+            "the run's process alive after training; start threads inside the function, as daemon threads."
+        )
+    if not report["callable"]:
         raise ConfigError(
             f"custom_reward_function.name={name}: {path} defines no function {name!r} (it has: "
-            f"{', '.join(found) or 'none'}). Set custom_reward_function.name to one of them."
+            f"{', '.join(report['found']) or 'none'}). Set custom_reward_function.name to one of them."
         )
-    try:
-        inspect.signature(fn).bind("response", "ground truth", {})
-    except TypeError as exc:
+    if report["binds"] is not True:
         raise ConfigError(
-            f"custom_reward_function.name={name}: {path} defines {name}{inspect.signature(fn)}, but a "
-            f"reward function is called as {name}(response_text, ground_truth, extra_info) ({exc}). "
-            "Give it those three parameters."
-        ) from None
-    except ValueError:  # no signature to read (a builtin): it is called and checked at the first batch
-        pass
-    sys.modules[module_name] = module
-    import cloudpickle
-
-    cloudpickle.register_pickle_by_value(module)
-    try:  # Ray pickles with its own copy of cloudpickle
-        from ray import cloudpickle as ray_cloudpickle
-
-        ray_cloudpickle.register_pickle_by_value(module)
-    except ImportError:
-        pass
-    return _Located(fn, file)
+            f"custom_reward_function.name={name}: {path} defines {name}{report['signature']}, but a "
+            f"reward function is called as {name}(response_text, ground_truth, extra_info) "
+            f"({report['binds']}). Give it those three parameters."
+        )
 
 
-class _Located:
-    """The user's function, with where it came from for error messages (`origin`)."""
+# the process's imported custom reward modules, by file and content: each is imported once per scoring process
+_IMPORTED: dict[tuple[str, str], types.ModuleType] = {}
 
-    def __init__(self, fn, file: Path):
-        self.fn, self.file = fn, file
-        self.origin = f"{getattr(fn, '__name__', 'the function')} in {file} (custom_reward_function)"
+
+_import_lock = threading.Lock()
+
+
+@contextmanager
+def _threads_started():
+    """The threads the calling thread starts inside the block (others' threads are not counted)."""
+    started: list[threading.Thread] = []
+    importer, start = threading.current_thread(), threading.Thread.start
+
+    def recording_start(thread, *args, **kwargs):
+        if threading.current_thread() is importer:
+            started.append(thread)
+        return start(thread, *args, **kwargs)
+
+    with _import_lock:
+        threading.Thread.start = recording_start
+        try:
+            yield started
+        finally:
+            threading.Thread.start = start
+
+
+class CustomReward:
+    """The user's function as data: the file's path and source, imported on the first call in the process
+    that scores (the RewardScorer actor, or the evaluation's process), never in the training driver."""
+
+    def __init__(self, path: str, file: str, name: str, source: str):
+        self.path, self.file, self.name, self.source = path, file, name, source
+        self.origin = f"{name} in {file} (custom_reward_function)"
+
+    def function(self):
+        key = (self.file, hashlib.md5(self.source.encode()).hexdigest())
+        if key not in _IMPORTED:
+            _IMPORTED[key] = self._import()
+        fn = getattr(_IMPORTED[key], self.name, None)
+        if not callable(fn):
+            raise RewardError(
+                f"custom_reward_function.name={self.name}: {self.path} defines no {self.name!r}"
+            )
+        return fn
+
+    def _import(self) -> types.ModuleType:
+        file = Path(self.file)
+        module = types.ModuleType(f"reinforge_custom_reward_{abs(hash(self.file))}")
+        module.__file__ = self.file
+        try:
+            with _threads_started() as started:
+                exec(compile(self.source, self.file, "exec"), module.__dict__)
+        except SystemExit as exc:
+            raise RewardError(
+                f"custom_reward_function.path={self.path}: it calls sys.exit({exc.code!r}) at import "
+                f"({_line_in(exc, file)}); a reward module must not end the process."
+            ) from None
+        except Exception as exc:
+            raise RewardError(
+                f"custom_reward_function.path={self.path}: importing it failed at {_line_in(exc, file)}: "
+                f"{type(exc).__name__}: {exc}."
+            ) from None
+        held = [t.name for t in started if not t.daemon]
+        if held:
+            raise RewardError(
+                f"custom_reward_function.path={self.path}: it starts a thread at import ({held[0]}) that "
+                "would keep the process alive; start threads inside the function, as daemon threads."
+            )
+        return module
 
     def __call__(self, response_text, ground_truth, extra_info):
+        fn = self.function()
         try:
-            return self.fn(response_text, ground_truth, extra_info)
+            return fn(response_text, ground_truth, extra_info)
         except Exception as exc:
-            raise RuntimeError(f"{_line_in(exc, self.file)}: {type(exc).__name__}: {exc}") from exc
+            raise RuntimeError(f"{_line_in(exc, Path(self.file))}: {type(exc).__name__}: {exc}") from exc

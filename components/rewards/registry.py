@@ -175,6 +175,8 @@ def score_batch(
         fn, source = cache[data_sources[i]], data_sources[i]
         try:
             value = fn(texts[i], ground_truths[i], extra_infos[i])
+        except RewardError:  # already names the function and why (a custom module that exits at import)
+            raise
         except Exception as exc:
             raise RewardError(
                 f"reward scorer {scorer_name(fn)} for data_source={source!r} failed on sample {i} "

@@ -10,6 +10,7 @@ import pytest
 from components.config import load_config
 from components.errors import ConfigError, RewardError
 from components.rewards import countdown, math_eq
+from components.rewards.custom import check_custom_reward
 from components.rewards.registry import score_with_config, scorer_for, scorers_for
 
 
@@ -146,3 +147,60 @@ def test_custom_reward_function_scores_in_a_ray_worker(tmp_path, monkeypatch, ra
         ["1", "2"], ["1", "1"], ["arith"] * 2, [{}, {}], scorers_for(["arith"], cfg)
     )
     assert scores == [1.0, 0.0] and valid == [True, True]
+
+
+IMPORT_SIDE_EFFECTS = {
+    "exits.py": ("import sys\nsys.exit(0)\n", r"it calls sys.exit\(0\) at import \(.*exits.py:2\)"),
+    "hard_exit.py": ("import os\nos._exit(0)\n", r"importing it ended the process \(exit code 0\)"),
+    "kills.py": (
+        "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n",
+        r"ended the process \(exit code -9\)",
+    ),
+    "thread.py": (
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(1e9,), name='keeper').start()\n",
+        r"it starts a thread at import \(keeper\)",
+    ),
+}
+SCORE = "\ndef compute_score(text, truth, extra):\n    return 1.0\n"
+
+
+@pytest.mark.parametrize("name", sorted(IMPORT_SIDE_EFFECTS))
+def test_a_reward_module_that_exits_or_holds_the_process_at_import_is_one_line(tmp_path, monkeypatch, name):
+    """Checked in a process of its own before anything starts: the run's process neither ends (exit code 0
+    having trained nothing) nor is held after training by a thread the module started."""
+    from flows._args import check_config
+
+    monkeypatch.chdir(tmp_path)
+    source, said = IMPORT_SIDE_EFFECTS[name]
+    write(tmp_path / name, source + SCORE)
+    with pytest.raises(RewardError, match=said):
+        check_custom_reward(load_config(None, [f"custom_reward_function.path={name}"]))
+    assert check_config(None, [f"custom_reward_function.path={name}"]) == 2  # the CLI: exit 2, one line
+
+
+def test_a_reward_module_that_hangs_at_import_is_refused_at_the_timeout(tmp_path, monkeypatch):
+    import components.rewards.custom as custom
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(custom, "CHECK_TIMEOUT_S", 2.0)
+    write(tmp_path / "hangs.py", "import time\ntime.sleep(1e9)\n" + SCORE)
+    with pytest.raises(RewardError, match="importing it did not finish within 2 s"):
+        check_custom_reward(load_config(None, ["custom_reward_function.path=hangs.py"]))
+
+
+def test_the_scoring_process_imports_the_module_guarded_too():
+    """Where the scorer is imported for use (the RewardScorer actor, the evaluation), an exit or a thread at
+    import is a RewardError naming the file, not the end of that process."""
+    from components.rewards.custom import CustomReward
+
+    # the thread here ends on its own within a second: this test process must not be held by it either
+    short_thread = (
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(0.5,), name='keeper').start()\n"
+    )
+    for source, said in (
+        (IMPORT_SIDE_EFFECTS["exits.py"][0], r"it calls sys.exit\(0\) at import \(.*r.py:2\)"),
+        (short_thread, r"it starts a thread at import \(keeper\)"),
+    ):
+        scorer = CustomReward("r.py", "/nowhere/r.py", "compute_score", source + SCORE)
+        with pytest.raises(RewardError, match=said):
+            scorer("x", "y", {})
