@@ -97,7 +97,11 @@ def add_rewards(
     s = torch.tensor(scores, dtype=torch.float32)
     metrics = {f"reward/{name}/mean": float(torch.tensor(v).nanmean()) for name, v in subs.items()}
     if model_scores is not None:
-        learned = torch.tensor(model_scores, dtype=torch.float32)
+        from components.rewards.registry import usable_reward
+
+        # a reward model's score that is not a usable number makes its row invalid, as a scorer's does
+        valid = [ok and usable_reward(m) for ok, m in zip(valid, model_scores)]
+        learned = torch.tensor([m if usable_reward(m) else 0.0 for m in model_scores], dtype=torch.float32)
         metrics.update({**_stats("reward/rule_score", s), **_stats("reward/model_score", learned)})
         s = settings.rule_weight * s + settings.model_weight * learned
     rewards = s

@@ -396,6 +396,14 @@ def check_combinations(cfg: Config) -> None:
             "trainer.rollout_placement=separate; to share a GPU with the policy set engine.num_gpus to "
             "a fraction and engine.sleep_during_update=true."
         )
+    greedy = cfg.engine.temperature == 0 or cfg.engine.top_k == 1
+    if algo is not None and algo.grouped and cfg.engine.n > 1 and greedy:
+        what = "engine.temperature=0" if cfg.engine.temperature == 0 else "engine.top_k=1"
+        problems.append(
+            f"{what} samples greedily: the engine.n={cfg.engine.n} completions of a prompt are identical, so "
+            f"{algo.adv_estimator}'s group advantages are all 0 and nothing would be learned. Sample (e.g. "
+            "engine.temperature=1.0, engine.top_k=0), or use a preset without groups (ppo)."
+        )
     if algo is not None and (algo.grouped or algo.dynamic_sampling) and cfg.engine.n < 2:
         what = algo.adv_estimator if algo.grouped else "dynamic sampling"
         problems.append(

@@ -13,9 +13,10 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 
 class Section(BaseModel):
-    """Base for every config section: unknown keys are errors, values are checked on assignment."""
+    """Base for every config section: unknown keys are errors, values are checked on assignment, and every
+    number is finite (a learning rate of inf, or 1e309, which YAML reads as inf, trains to NaN weights)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RolloutCorrectionConfig(Section):

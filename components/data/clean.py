@@ -130,16 +130,21 @@ SCHEMA_COLUMNS = {
 
 def normalise_truth(value):
     """A ground truth as the string the scorers compare with, where its meaning is unambiguous: an int becomes
-    its digits, a dict or list its JSON text (countdown's target and numbers, code's tests). Anything else
-    (a float, a bool) is left for the schema to refuse.
+    its digits, a dict or list its JSON text (countdown's target and numbers, code's tests), and a string's
+    decimal digits of any script (Arabic-Indic, Devanagari, fullwidth) become ASCII digits, which is what the
+    scorers read in a response. Anything else (a float, a bool) is left for the schema to refuse.
 
     >>> normalise_truth(3), normalise_truth("3"), normalise_truth({"target": 4}), normalise_truth(3.5)
     ('3', '3', '{"target": 4}', 3.5)
+    >>> normalise_truth("١٢٣"), normalise_truth("-४२"), normalise_truth("１０")
+    ('123', '-42', '10')
     """
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     if isinstance(value, (dict, list)):
         return json.dumps(value, sort_keys=True)
+    if isinstance(value, str) and not value.isascii():
+        return "".join(str(unicodedata.decimal(c)) if c.isdecimal() else c for c in value)
     return value
 
 

@@ -153,6 +153,16 @@ def score_with_config(
     )
 
 
+# the largest reward magnitude trained on: beyond it the group statistics and the float32 losses overflow (a reward
+# of 1e308 is finite, but its group's mean is inf and every advantage NaN)
+MAX_ABS_REWARD = 1e6
+
+
+def usable_reward(value: float) -> bool:
+    """A number training can use: finite and within ±MAX_ABS_REWARD (anything else is an invalid reward)."""
+    return math.isfinite(value) and abs(value) <= MAX_ABS_REWARD
+
+
 def score_batch(
     texts: list[str],
     ground_truths: list[str],
@@ -195,7 +205,7 @@ def score_batch(
     scores, valid, subs = [], [], {}
     for i in range(len(texts)):
         value, sub = results[i]
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and usable_reward(value)
         scores.append(float(value) if ok else 0.0)
         valid.append(ok)
         for name, v in sub.items():

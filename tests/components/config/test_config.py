@@ -178,3 +178,24 @@ def test_aliases_that_stay_small_still_work_and_overrides_are_bounded_too(tmp_pa
     with pytest.raises(ConfigError, match="override `x`: line 1, column .*: this value expands to more than"):
         parse_overrides(["x=[" + ", ".join(levels) + "]"])
     assert parse_overrides(["y=[&a [1, 2], *a]"])["y"] == [[1, 2], [1, 2]]
+
+
+@pytest.mark.parametrize(
+    "override", ["actor.optimizer.lr=.inf", "actor.optimizer.lr=1e309", "algorithm.clip_epsilon=.nan"]
+)
+def test_every_number_is_finite(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key}: Input should be a finite number"):
+        load_config("configs/arith_grpo.yaml", [override])
+
+
+@pytest.mark.parametrize("greedy", ["engine.temperature=0", "engine.top_k=1"])
+def test_greedy_sampling_with_a_group_estimator_is_refused(greedy):
+    """n identical completions per prompt: every group advantage 0, nothing learned, for the whole run."""
+    with pytest.raises(ConfigError, match=rf"{greedy} samples greedily: .* group advantages are all 0"):
+        load_config("configs/arith_grpo.yaml", [greedy])
+    for preset in ("rloo", "dapo"):
+        with pytest.raises(ConfigError, match="samples greedily"):
+            load_config("configs/arith_grpo.yaml", [greedy, f"algorithm.name={preset}"])
+    # no groups: PPO's one completion per prompt against its critic
+    assert load_config("configs/arith_grpo.yaml", [greedy, "algorithm.name=ppo", "engine.n=1"])

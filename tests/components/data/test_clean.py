@@ -71,6 +71,19 @@ def test_unambiguous_types_are_normalised_not_rejected():
     assert kept[1]["ability"] == "" and kept[1]["reward_model"]["style"] == "rule"
 
 
+def test_ground_truth_digits_of_any_script_become_what_the_scorer_reads():
+    """An Arabic-Indic or fullwidth ground truth is the same number: normalised to ASCII digits, so a right
+    answer scores 1 instead of every reward being 0."""
+    from components.rewards.gsm8k import score
+
+    rows = [
+        {**good(i), "reward_model": {"ground_truth": truth}} for i, truth in enumerate(["١٢٣", "-४२", "１０"])
+    ]
+    kept, quarantined = clean_rows(pd.DataFrame(rows), TOK, RULES, "x")
+    assert not quarantined and [r["reward_model"]["ground_truth"] for r in kept] == ["123", "-42", "10"]
+    assert score("#### 123", kept[0]["reward_model"]["ground_truth"]) == 1.0
+
+
 def test_text_outside_the_vocabulary_is_quarantined_unless_allowed():
     rows = [good(1, "１+２="), good(2, "1\x00+2="), good(3, "\u200f1+2="), good(4, "1+2=🙂"), good(5, "1+2=")]
     kept, quarantined = clean_rows(pd.DataFrame(rows), TOK, RULES, "x")

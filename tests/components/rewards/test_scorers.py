@@ -204,3 +204,16 @@ def test_the_scoring_process_imports_the_module_guarded_too():
         scorer = CustomReward("r.py", "/nowhere/r.py", "compute_score", source + SCORE)
         with pytest.raises(RewardError, match=said):
             scorer("x", "y", {})
+
+
+@pytest.mark.parametrize("value", [1e308, -1e308, 1e7, float("inf"), float("nan")])
+def test_rewards_too_large_to_train_on_are_invalid_not_nan_weights(value):
+    """A finite reward of 1e308 still overflows its group's mean (inf) and every advantage (NaN): beyond
+    ±MAX_ABS_REWARD it counts as invalid (reward.max_invalid_frac), as None, NaN and inf do."""
+    from components.rewards.registry import MAX_ABS_REWARD, score_batch
+
+    fixed = {"s": lambda text, truth, extra: value}
+    scores, valid, _ = score_batch(["x"], ["1"], ["s"], [{}], fixed)
+    assert (scores, valid) == ([0.0], [False])
+    scores, valid, _ = score_batch(["x"], ["1"], ["s"], [{}], {"s": lambda *_: -MAX_ABS_REWARD})
+    assert (scores, valid) == ([-MAX_ABS_REWARD], [True])
