@@ -45,6 +45,43 @@ def dvc_experiment() -> dict[str, str]:
     return {"name": name, "baseline_rev": rev or ""} if name else {}
 
 
+AUTH_FILE = ".prefect-auth"  # in the checkout, mode 0600: the embedded Prefect API's basic-auth string
+
+
+def prefect_auth_string() -> str:
+    """The basic-auth string of this checkout's embedded Prefect API (Prefect's own server.api.auth_string),
+    made once and kept in a file only this user can read: another local user cannot change a run's state."""
+    import secrets
+
+    path = checkout_root() / AUTH_FILE
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    value = f"reinforge:{secrets.token_urlsafe(24)}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    return value
+
+
+def local_defaults() -> dict[str, str]:
+    """What only a run's own, embedded services get: Prefect's API auth on both sides when no PREFECT_API_URL
+    names a server of the user's, and Ray's processes on loopback when no RAY_ADDRESS names a cluster (Ray binds
+    its node's routable address otherwise, and its metrics endpoints take no auth)."""
+    out = {}
+    if not os.environ.get("PREFECT_API_URL"):
+        try:
+            auth = prefect_auth_string()
+        except OSError:  # a read-only checkout: the embedded server runs as Prefect's default does
+            auth = None
+        if auth:
+            out.update(PREFECT_SERVER_API_AUTH_STRING=auth, PREFECT_API_AUTH_STRING=auth)
+    if not os.environ.get("RAY_ADDRESS"):
+        out["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's switch for a single-node, loopback instance
+    return out
+
+
 def apply_defaults() -> None:
-    for key, value in DEFAULTS.items():
+    for key, value in {**DEFAULTS, **local_defaults()}.items():
         os.environ.setdefault(key, value)

@@ -200,24 +200,46 @@ def prefect_server_pid() -> int | None:
 
 
 class PrefectWatch:
-    """Whether the Prefect server this run reports to still answers: the in-process server's process, or the
-    server at PREFECT_API_URL (a quick health request). Checked at each iteration boundary."""
+    """Whether the Prefect server this run reports to still answers (the in-process server's process, or the
+    server at PREFECT_API_URL: a quick health request), and whether the run's flow run is still Running there:
+    a state another client set (Cancelled from the UI, or by anyone holding the API) stops the run instead of
+    letting it train on and report success. Checked at each iteration boundary, the state at most every
+    `state_every_s`."""
 
-    def __init__(self, timeout_s: float = 15.0):  # a busy server answers late; a dead one refuses at once
+    def __init__(self, timeout_s: float = 15.0, flow_run_id=None, state_every_s: float = 2.0):
         own = own_prefect_server()  # started by this process: watched as its child, like Prefect's own
         self.url = None if own else os.environ.get("PREFECT_API_URL")
         self.pid = own or (None if self.url else prefect_server_pid())
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # a busy server answers late; a dead one refuses at once
+        self.flow_run_id, self.state_every_s, self._state_read = flow_run_id, state_every_s, 0.0
 
     def problem(self) -> str | None:
         import psutil
 
         if self.url:
-            return prefect_problem(self.url, self.timeout_s)
+            down = prefect_problem(self.url, self.timeout_s)
+            return down or self.state_problem()
         if self.pid is None:
-            return None
+            return self.state_problem()
         try:
             alive = psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             alive = False
-        return None if alive else f"Prefect's in-process API server (pid {self.pid}) has died"
+        return self.state_problem() if alive else f"Prefect's in-process API server (pid {self.pid}) has died"
+
+    def state_problem(self) -> str | None:
+        import time
+
+        if self.flow_run_id is None or time.monotonic() - self._state_read < self.state_every_s:
+            return None
+        self._state_read = time.monotonic()
+        from prefect import get_client
+
+        with get_client(sync_client=True) as client:
+            run = client.read_flow_run(self.flow_run_id)
+        if run.state is None or run.state.is_running():
+            return None
+        return (
+            f"the flow run {run.name} was set to {run.state.name} by another client (the Prefect UI or API) "
+            "while it trained, so the run stops here"
+        )

@@ -434,7 +434,9 @@ def train(run: Run, starting: StartingWorkers, started: float) -> dict:
     """Take the started workers, restore, run the iterations (recovering from dead workers), save the final
     model."""
     t, rebuilds = run.plan, 0
-    run.watch = PrefectWatch()
+    from prefect.runtime import flow_run
+
+    run.watch = PrefectWatch(flow_run_id=flow_run.id)
     run.marks["setup"] = time.time()
     run.workers = starting.take()
     restore(run)

@@ -353,3 +353,44 @@ def proc_children(pid: int) -> list:
     import psutil
 
     return psutil.Process(pid).children()
+
+
+def test_a_state_another_client_sets_stops_the_run(start, prefect_api):
+    """Another client (the UI, someone holding the API) marks the training flow run Cancelled while it trains:
+    the run notices at the next iteration boundary and stops (exit 2, one line), its MLflow run KILLED, instead
+    of training on and reporting success."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelled
+
+    root, ov = start
+    out = root / "cancelled_elsewhere"
+    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", "configs/arith_grpo.yaml", *ov]
+    cmd += [f"trainer.output_dir={out}", "trainer.iterations=200"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_API_URL": prefect_api}
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    deadline = time.time() + 600
+    while time.time() < deadline and latest_checkpoint(out) != "iter_000001" and proc.poll() is None:
+        time.sleep(0.05)
+    running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])))
+    with get_client(sync_client=True) as client:
+        (flow_run,) = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["rl-train"])), flow_run_filter=running
+        )
+        client.set_flow_run_state(flow_run.id, Cancelled(), force=True)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, output[-3000:]
+    assert f"error: the flow run {flow_run.name} was set to Cancelled by another client" in output
+    run_id = json.loads((run_dir(out) / "checkpoints" / "iter_000001" / "state.json").read_text())[
+        "mlflow_run_id"
+    ]
+    assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(run_id).info.status == "KILLED"
