@@ -14,6 +14,19 @@ class AlreadyRunning(ReinforgeError):
     """Another process holds the pipeline's lock."""
 
 
+def training_lock(output_dir: str | Path) -> Path:
+    """The lock one training in `output_dir` holds: `.<name>.lock` beside it."""
+    out = Path(output_dir)
+    return out.parent / f".{out.name}.lock"
+
+
+def pipeline_lock(output_dir: str | Path) -> Path:
+    """The lock a pipeline (the nightly) holds around the trainings it runs in `output_dir`: never a training
+    lock of any directory (those end in .lock), so a pipeline never waits on the training it started itself."""
+    out = Path(output_dir)
+    return out.parent / f".{out.name}.lock.pipeline"
+
+
 @contextmanager
 def exclusive(path: str | Path, what: str):
     """Hold an flock on `path` for the block; AlreadyRunning (naming the holder's pid) if taken."""

@@ -55,9 +55,49 @@ def ray_problem(address: str, timeout_s: float) -> str | None:
     return None
 
 
+def sqlite_store_problem(uri: str, timeout_s: float) -> str | None:
+    """An SQLite tracking store (sqlite:///path) that exists but is not a database, or that another process
+    keeps locked for longer than timeout_s: why, naming the file and the fix. A missing file is made on first
+    use."""
+    import sqlite3
+
+    path = uri[len("sqlite:///") :]
+    if not os.path.exists(path):
+        return None
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=timeout_s)
+        try:
+            con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            con.execute("BEGIN IMMEDIATE")  # the write lock, as MLflow takes it, released at once
+            con.execute("ROLLBACK")
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as exc:
+        if "locked" in str(exc) or "busy" in str(exc):
+            return (
+                f"MLflow's store {path} is locked by another process for more than {timeout_s:g} s; wait for "
+                f"it to finish (`fuser {path}` names it), or set MLFLOW_TRACKING_URI to another store."
+            )
+        return (
+            f"MLflow's store {path} is not a readable SQLite database ({exc}); move it aside (`mv {path} "
+            f"{path}.bad`) to start a new store, or set MLFLOW_TRACKING_URI to another one."
+        )
+    return None
+
+
+def tracking_uri() -> str:
+    """MLFLOW_TRACKING_URI, else the checkout's SQLite store (as components.tracking.mlflow_tracker resolves it,
+    without importing MLflow)."""
+    from components.env import checkout_root
+
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{checkout_root() / 'mlruns.db'}"
+
+
 def mlflow_problem(uri: str, timeout_s: float) -> str | None:
+    if uri.startswith("sqlite:///"):
+        return sqlite_store_problem(uri, timeout_s)
     if not uri.startswith(("http://", "https://")):
-        return None  # a file or database: MLflow opens it itself
+        return None  # another database or a file store: MLflow opens it itself
     why = _http(uri.rstrip("/") + "/health", timeout_s)
     if why:
         return (
@@ -90,6 +130,8 @@ def check_services(timeout_s: float = 15.0) -> None:
         for check, name in checks
         if os.environ.get(name) and name not in own
     ]
+    if not os.environ.get("MLFLOW_TRACKING_URI"):  # the embedded store: there, but broken or held
+        problems.append(mlflow_problem(tracking_uri(), timeout_s))
     problems = [p for p in problems if p]
     if problems:
         raise ServiceError("\n  ".join(problems))

@@ -18,7 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from components.config import Config, load_config
 from components.lineage import file_md5
-from components.locking import exclusive
+from components.locking import exclusive, pipeline_lock
 from components.tracking.registry import download_version, register_candidate
 from flows import parsers
 from flows._args import check_config, run_cli
@@ -80,7 +80,7 @@ def nightly_flow(
     # overrides say otherwise (they come after these defaults)
     overrides = ["trainer.log_system_metrics=true", *(overrides or []), "trainer.when_finished=retrain"]
     cfg = load_config(config, overrides)
-    with exclusive(Path(cfg.trainer.output_dir).parent / ".nightly.lock", f"pipeline {pipeline}"):
+    with exclusive(pipeline_lock(cfg.trainer.output_dir), f"pipeline {pipeline}"):
         data_flow(config, overrides)
         if not (Path(cfg.sft.output_dir) / "config.json").is_file():
             sft_flow(config, overrides)

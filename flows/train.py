@@ -29,7 +29,7 @@ from components.batch import Batch
 from components.config import Config, load_config
 from components.data.sampler import PromptSampler
 from components.env import dvc_experiment
-from components.locking import exclusive
+from components.locking import exclusive, training_lock
 from components.outputs import TRAIN_OUTPUT, check_output, claim_output
 from components.plan import RunPlan, make_plan
 from components.progress import console, iteration_line, progress_bar
@@ -524,7 +524,7 @@ def train_flow(
         tokenizer = check_inputs(cfg, plan.algorithm.needs_critic)
         train_rows, eval_rows = load_datasets(cfg, tokenizer)
         output = check_output(cfg.trainer.output_dir, "trainer.output_dir", TRAIN_OUTPUT, cfg.trainer.run_dir)
-        with exclusive(output.parent / f".{output.name}.lock", f"a training run in {output}"):
+        with exclusive(training_lock(output), f"a training run in {output}"):
             run = open_run(cfg, plan, tokenizer, train_rows, eval_rows, pipeline, pipeline_version)
             if _CLI[
                 "first_run"

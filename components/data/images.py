@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 
 from components.data.formats import make_row
+from components.data.io import regular_file
 from components.data.prompts import prompt_text
 from components.errors import DataError
 
@@ -81,9 +82,7 @@ def llava_rows(path: str | Path, image_folder: str | Path | None, key: str = "da
     human turn is the prompt (its `<image>` kept; one is put first when it has none), the gpt turn the SFT
     answer, and the ground truth the text after its last `#### ` (or the row's `ground_truth` field). Image
     paths are taken relative to image_folder (default: the jsonl's folder)."""
-    src = Path(path)
-    if not src.is_file():
-        raise DataError(f"{key}={path}: no such file; give a local LLaVA jsonl (image, conversations).")
+    src = regular_file(path, key, "a local LLaVA jsonl (image, conversations)")
     folder = Path(image_folder) if image_folder else src.parent
     out = []
     for i, line in enumerate(src.read_text(encoding="utf-8").splitlines()):

@@ -14,14 +14,37 @@ import pyarrow.parquet as pq
 from components.errors import DataError, OutputError
 
 
-def read_rows(path: str | Path, key: str = "data path") -> pd.DataFrame:
-    """Rows of a parquet or jsonl file; a missing or unreadable file is a DataError naming it."""
+def regular_file(path: str | Path, key: str, what: str = "a parquet or jsonl file") -> Path:
+    """`path` as a regular file, checked without opening it (opening a FIFO would wait for a writer forever):
+    DataError naming `key` when it is missing, or a FIFO, a device, a socket or a directory."""
+    import stat
+
     p = Path(path)
-    if not p.is_file():
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
         raise DataError(
             f"{key}: {p} does not exist. Run `reinforge prepare` (or `dvc repro`) to create it, "
             "or fix the path in your config."
+        ) from None
+    except OSError as exc:
+        raise DataError(
+            f"{key}: {p} cannot be read ({exc.strerror}); fix its permissions or the path."
+        ) from None
+    if not stat.S_ISREG(mode):
+        kinds = (
+            (stat.S_ISDIR, "a directory"),
+            (stat.S_ISFIFO, "a FIFO (named pipe)"),
+            (stat.S_ISSOCK, "a socket"),
         )
+        kind = next((name for test, name in kinds if test(mode)), "a device")
+        raise DataError(f"{key}: {p} is {kind}, not a regular file; give the path of {what}.")
+    return p
+
+
+def read_rows(path: str | Path, key: str = "data path") -> pd.DataFrame:
+    """Rows of a parquet or jsonl file; a missing, irregular or unreadable file is a DataError naming it."""
+    p = regular_file(path, key)
     try:
         if p.suffix in (".jsonl", ".json"):
             return pd.read_json(p, lines=p.suffix == ".jsonl", dtype=False)

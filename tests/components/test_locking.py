@@ -15,3 +15,18 @@ def test_second_holder_is_refused_with_pid(tmp_path: Path):
         pass
     with exclusive(lock, "pipeline nightly"):  # released after the block
         pass
+
+
+@pytest.mark.parametrize("name", ["nightly", "grpo", "x.lock", "a.lock.pipeline"])
+def test_a_pipelines_lock_is_never_a_trainings(tmp_path, name):
+    """The nightly holds its lock while the training it runs takes the training lock of the same output
+    directory: were they one file, the nightly would refuse itself (an output directory named `nightly`)."""
+    from components.locking import pipeline_lock, training_lock
+
+    trainings = {training_lock(tmp_path / other) for other in ("nightly", "grpo", name, f"{name}.lock")}
+    assert pipeline_lock(tmp_path / name) not in trainings
+    with (
+        exclusive(pipeline_lock(tmp_path / name), "pipeline"),
+        exclusive(training_lock(tmp_path / name), "train"),
+    ):
+        pass

@@ -19,7 +19,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect_api):
-    ov = small_overrides(tmp_path, iterations=4) + ["trainer.save_interval=1"]
+    # an output directory named like the pipeline: the nightly's lock and its training's are still two locks
+    ov = small_overrides(tmp_path, iterations=4) + [
+        "trainer.save_interval=1",
+        f"trainer.output_dir={tmp_path}/nightly",
+    ]
     env = {
         **os.environ,
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db",
@@ -34,7 +38,7 @@ def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect
         for _ in range(2)
     ]
     deadline, loser = time.time() + 600, None
-    while time.time() < deadline and latest_checkpoint(tmp_path / "grpo") is None:
+    while time.time() < deadline and latest_checkpoint(tmp_path / "nightly") is None:
         for p in procs:
             if p.poll() is not None and loser is None:
                 loser = p
@@ -45,7 +49,7 @@ def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect
     winner = next(p for p in procs if p is not loser)
     os.killpg(winner.pid, signal.SIGKILL)  # the nightly that trains crashes mid-training
     winner.wait(60)
-    ckpts = run_dir(tmp_path / "grpo") / "checkpoints"
+    ckpts = run_dir(tmp_path / "nightly") / "checkpoints"
     killed_at = (ckpts / "latest").read_text().strip()
     run_id = json.loads((ckpts / killed_at / "state.json").read_text())["mlflow_run_id"]
     data_files = [tmp_path / "raw" / "train.parquet", tmp_path / "clean" / "train.parquet"]

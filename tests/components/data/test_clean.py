@@ -287,3 +287,22 @@ def test_fuzzed_rows_are_kept_or_quarantined_never_lost(rows):
         assert prompt_text(r["prompt"]).strip() and r["reward_model"]["ground_truth"].strip()
     again_kept, again_q = clean_rows(pd.DataFrame(rows), TOK, RowRules(16, allow_unk=True), "fuzz")
     assert again_kept == kept and again_q == quarantined
+
+
+def test_a_fifo_or_a_directory_given_as_data_is_named_without_waiting(tmp_path):
+    """Opening a FIFO would wait for a writer forever, and 'does not exist' would be untrue: each is one line
+    saying what the path is."""
+    import os
+
+    from components.data.io import read_rows
+
+    fifo = tmp_path / "rows.parquet"
+    os.mkfifo(fifo)
+    with pytest.raises(
+        DataError, match=r"data.train_path: .*rows.parquet is a FIFO \(named pipe\), not a regular file"
+    ):
+        read_rows(fifo, "data.train_path")
+    with pytest.raises(DataError, match="is a directory, not a regular file"):
+        read_rows(tmp_path, "data.train_path")
+    with pytest.raises(DataError, match="does not exist"):
+        read_rows(tmp_path / "missing.parquet", "data.train_path")
