@@ -200,7 +200,12 @@ def ray_cluster_resources(address: str, timeout_s: float = 60.0) -> dict[str, fl
     read."""
     code = RAY_RESOURCES.format(address=address)
     try:
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+        from components.env import RAY_LOOPBACK
+
+        env = {k: v for k, v in os.environ.items() if k != RAY_LOOPBACK}  # a driver of that cluster
+        res = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, env=env
+        )
     except subprocess.TimeoutExpired:
         return f"no answer within {timeout_s:g} s"
     lines = res.stdout.strip().splitlines()

@@ -45,7 +45,11 @@ def dvc_experiment() -> dict[str, str]:
     return {"name": name, "baseline_rev": rev or ""} if name else {}
 
 
-AUTH_FILE = ".prefect-auth"  # in the checkout, mode 0600: the embedded Prefect API's basic-auth string
+# in the checkout, mode 0600: the embedded Prefect API's basic-auth string
+AUTH_FILE = ".prefect-auth"
+# Ray's switch for a single-node instance on loopback (its node address 127.0.0.1, its agents bound there); a
+# driver of a cluster (RAY_ADDRESS) must not have it
+RAY_LOOPBACK = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def prefect_auth_string() -> str:
@@ -78,7 +82,7 @@ def local_defaults() -> dict[str, str]:
         if auth:
             out.update(PREFECT_SERVER_API_AUTH_STRING=auth, PREFECT_API_AUTH_STRING=auth)
     if not os.environ.get("RAY_ADDRESS"):
-        out["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's switch for a single-node, loopback instance
+        out[RAY_LOOPBACK] = "0"
     return out
 
 

@@ -72,19 +72,23 @@ def _shown(key: str, value: object) -> str:
     return str(round(value, 4)) if isinstance(value, float) else str(value)
 
 
+SHOWN_NESTED = 10  # a nested dict of at most this many entries is shown (an evaluation); larger ones are data
+
+
 def _scalars(result: dict, prefix: str = "") -> list[tuple[str, object]]:
     out = []
     for key, value in result.items():
         if isinstance(value, dict):
-            out += _scalars(value, f"{prefix}{key}.")
+            if len(value) <= SHOWN_NESTED:
+                out += _scalars(value, f"{prefix}{key}.")
         elif not isinstance(value, list | tuple):
             out.append((f"{prefix}{key}", value))
     return out
 
 
 def summary(result: object) -> str:
-    """A stage's result for a person: its scalars, nested ones by their dotted key (`final.acc`), a line
-    each, timestamps as dates (lists are behind --json)."""
+    """A stage's result for a person: its scalars, those of small nested dicts by their dotted key
+    (`final.acc`), a line each, timestamps as dates (lists and large dicts are behind --json)."""
     if not isinstance(result, dict):
         return str(result)
     scalars = _scalars(result)

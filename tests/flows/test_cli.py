@@ -61,9 +61,16 @@ def test_a_stages_summary_shows_nested_figures_and_dates_not_epochs():
     from flows._args import summary
 
     text = summary(
-        {"created": 1796456800.0, "iterations": 100, "sft": {"acc": 0.3}, "final": {"acc": 0.6049}, "x": [1]}
+        {
+            "created": 1796456800.0,
+            "iterations": 100,
+            "sft": {"acc": 0.3},
+            "final": {"acc": 0.6049},
+            "x": [1],
+            "fingerprint_config": {f"k{i}": i for i in range(50)},  # data, behind --json
+        }
     )
     lines = [line.split() for line in text.splitlines()]
     assert lines[0][0] == "created" and lines[0][1].startswith("2026-12-")  # a date, in the local timezone
     assert ["sft.acc", "0.3"] in lines and ["final.acc", "0.6049"] in lines and ["iterations", "100"] in lines
-    assert not any(line[0] == "x" for line in lines)  # lists are behind --json
+    assert not any(line[0] == "x" or line[0].startswith("fingerprint_config") for line in lines)

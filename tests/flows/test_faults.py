@@ -383,9 +383,11 @@ def test_a_state_another_client_sets_stops_the_run(start, prefect_api):
         time.sleep(0.05)
     running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])))
     with get_client(sync_client=True) as client:
-        (flow_run,) = client.read_flow_runs(
+        runs = client.read_flow_runs(
             flow_filter=FlowFilter(name=FlowFilterName(any_=["rl-train"])), flow_run_filter=running
         )
+        # this test's run among those earlier tests SIGKILLed (Prefect keeps those Running): its output dir
+        (flow_run,) = [r for r in runs if f"trainer.output_dir={out}" in r.parameters.get("overrides", [])]
         client.set_flow_run_state(flow_run.id, Cancelled(), force=True)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2, output[-3000:]

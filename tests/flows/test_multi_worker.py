@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from components.env import RAY_LOOPBACK
 from tests.flows.conftest import sft_ready
 
 pytestmark = pytest.mark.slow
@@ -131,6 +132,8 @@ def test_an_update_across_two_ray_nodes(tmp_path, tiny_model_dir, monkeypatch):
         "RAY_AUTH_MODE": "disabled",
     }  # a token cluster needs RAY_AUTH_TOKEN
     env.pop("RAY_ADDRESS", None)
+    # a user's own cluster, started from a shell: not the loopback-only switch of our local instances
+    env.pop(RAY_LOOPBACK, None)
     ray_bin = str(Path(sys.executable).parent / "ray")
     common = ["--num-cpus=2", "--block", "--disable-usage-stats"]
     head = subprocess.Popen(

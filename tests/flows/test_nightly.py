@@ -77,7 +77,8 @@ def promotion_artifacts(api: str) -> list:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     async def read() -> list:
-        async with PrefectClient(api) as client:
+        # the server takes the checkout's auth string (components/env.py), as every client of ours sends it
+        async with PrefectClient(api, auth_string=os.environ.get("PREFECT_API_AUTH_STRING")) as client:
             return await client.read_artifacts(
                 artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["promotion"]))
             )
