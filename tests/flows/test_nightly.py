@@ -68,6 +68,11 @@ def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect
     assert [f.stat().st_mtime_ns for f in data_files] == written
     # the decision is an artifact of the flow run, for the Prefect UI
     assert "reinforge-arith v1: champion" in promotion_artifacts(prefect_api)[0].data
+    # the nightly records CPU, memory, disk and network use with its run (trainer.log_system_metrics)
+    from mlflow.tracking import MlflowClient
+
+    params = MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(run_id).data.params
+    assert params["trainer.log_system_metrics"] == "True"
 
 
 def promotion_artifacts(api: str) -> list:
