@@ -39,7 +39,8 @@ def test_a_local_ray_instance_listens_on_loopback_only(ray_local):
     loopback: nothing of the run is reachable from the network."""
     import psutil
 
-    ours = [p for p in psutil.process_iter(["cmdline"]) if "ray" in " ".join(p.info["cmdline"] or [])]
+    # this process's instance: its descendants (another test's `ray start` cluster may run beside it)
+    ours = [p for p in psutil.Process().children(recursive=True) if "ray" in " ".join(p.cmdline())]
     listening = [
         (p.pid, c.laddr.ip)
         for p in ours
