@@ -28,7 +28,8 @@ c = MlflowClient(default_tracking_uri())
 exp = c.get_experiment_by_name("reinforge")
 runs = c.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
 dvc_run = next(r for r in runs if "dvc.exp_name" in r.data.tags)
-workspace = next(r for r in runs if "dvc.exp_name" not in r.data.tags)
+same = lambda r: r.data.params.get("actor.model.type") == dvc_run.data.params.get("actor.model.type")
+workspace = next(r for r in runs if "dvc.exp_name" not in r.data.tags and same(r))  # its baseline, not the VLM
 print(exp.experiment_id, workspace.info.run_id, dvc_run.info.run_id, dvc_run.outputs.model_outputs[0].model_id)
 EOF
 )"

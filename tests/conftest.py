@@ -72,6 +72,20 @@ def arith_rows(count: int) -> list[dict]:
     ]
 
 
+def descendants(text: str, pid: int | None = None, recursive: bool = True) -> list:
+    """The live descendants (or children) of `pid` (this process) whose command line holds `text`. A child
+    that exits while we look, or is a zombie awaiting its parent, is not one (psutil raises for those)."""
+    import psutil
+
+    def matches(process: psutil.Process) -> bool:
+        try:
+            return text in " ".join(process.cmdline())
+        except psutil.Error:
+            return False
+
+    return [p for p in psutil.Process(pid).children(recursive=recursive) if matches(p)]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer):
     out = tmp_path_factory.mktemp("tiny_model")

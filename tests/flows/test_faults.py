@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from components.models.loading import load_model
 from components.tracking import checkpoints
+from tests.conftest import descendants
 from tests.flows.conftest import latest_checkpoint, run_dir, sft_ready
 
 pytestmark = pytest.mark.slow
@@ -147,10 +148,7 @@ def test_disk_full_during_a_save_fails_the_run_and_keeps_the_previous_checkpoint
 
 def _pids(title: str) -> list[int]:
     """Ray actor processes of this test's own local cluster (descendants of this process) by title."""
-    import psutil
-
-    mine = psutil.Process(os.getpid()).children(recursive=True)
-    return [p.pid for p in mine if any(title in c for c in (p.cmdline() or []))]
+    return [p.pid for p in descendants(title)]
 
 
 def test_rollout_and_policy_workers_killed_mid_run(start, whole, monkeypatch):
@@ -259,6 +257,26 @@ def _left(procs: list) -> list:
     return alive
 
 
+def _train_until(ov: list[str], out: Path, checkpoint: str, prefect_api: str | None, *more: str):
+    """`reinforge train` in a process group of its own, once it has saved `checkpoint` (or ended): with
+    prefect_api, against that server; without, on its own in-process server."""
+    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", "configs/arith_grpo.yaml", *ov]
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env |= {"PYTHONUNBUFFERED": "1"} | ({"PREFECT_API_URL": prefect_api} if prefect_api else {})
+    proc = subprocess.Popen(
+        [*cmd, f"trainer.output_dir={out}", *more],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.time() + 600
+    while time.time() < deadline and latest_checkpoint(out) != checkpoint and proc.poll() is None:
+        time.sleep(0.05)
+    return proc
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_signal_stops_the_run_at_once_leaving_nothing_and_a_resume_is_exact(start, whole, prefect_api, sig):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM to the process: it exits
@@ -268,25 +286,9 @@ def test_a_signal_stops_the_run_at_once_leaving_nothing_and_a_resume_is_exact(st
 
     root, ov = start
     out = root / f"signalled_{sig.name}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "flows.cli",  # `reinforge train`
-        "train",
-        "--config",
-        "configs/arith_grpo.yaml",
-        *ov,
-        f"trainer.output_dir={out}",
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_API_URL": prefect_api}
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    deadline = time.time() + 600
-    while time.time() < deadline and latest_checkpoint(out) != "iter_000002" and proc.poll() is None:
-        time.sleep(0.05)
+    proc = _train_until(ov, out, "iter_000002", prefect_api)
     tree = _tree(proc.pid)
-    assert any("ray::" in " ".join(p.cmdline()) for p in tree)  # its Ray workers are running
+    assert descendants("ray::", proc.pid)  # its Ray workers are running
     sent = time.time()
     if sig == signal.SIGINT:
         os.killpg(proc.pid, sig)
@@ -314,30 +316,9 @@ def test_a_dead_prefect_server_stops_the_run_within_one_stage(start):
     its checkpoint intact, nothing left running (it used to train on blind, then drain events for hours)."""
     root, ov = start
     out = root / "prefect_died"
-    cmd = [
-        sys.executable,
-        "-m",
-        "flows.cli",  # `reinforge train`
-        "train",
-        "--config",
-        "configs/arith_grpo.yaml",
-        *ov,
-        f"trainer.output_dir={out}",
-    ]
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # its own in-process server
-    proc = subprocess.Popen(
-        cmd,
-        env={**env, "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    deadline = time.time() + 600
-    while time.time() < deadline and latest_checkpoint(out) != "iter_000001" and proc.poll() is None:
-        time.sleep(0.05)
+    proc = _train_until(ov, out, "iter_000001", None)  # its own in-process server
     tree = _tree(proc.pid)
-    (server,) = [p for p in proc_children(proc.pid) if "uvicorn" in " ".join(p.cmdline())]
+    (server,) = descendants("uvicorn", proc.pid, recursive=False)
     server.kill()
     killed = time.time()
     output, _ = proc.communicate(timeout=120)
@@ -347,12 +328,6 @@ def test_a_dead_prefect_server_stops_the_run_within_one_stage(start):
     assert time.time() - killed < 60 and not _left(tree)
     ckpt = run_dir(out) / "checkpoints"
     checkpoints.verify(ckpt / (ckpt / "latest").read_text().strip())
-
-
-def proc_children(pid: int) -> list:
-    import psutil
-
-    return psutil.Process(pid).children()
 
 
 def test_a_state_another_client_sets_stops_the_run(start, prefect_api):
@@ -372,15 +347,7 @@ def test_a_state_another_client_sets_stops_the_run(start, prefect_api):
 
     root, ov = start
     out = root / "cancelled_elsewhere"
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", "configs/arith_grpo.yaml", *ov]
-    cmd += [f"trainer.output_dir={out}", "trainer.iterations=200"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_API_URL": prefect_api}
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    deadline = time.time() + 600
-    while time.time() < deadline and latest_checkpoint(out) != "iter_000001" and proc.poll() is None:
-        time.sleep(0.05)
+    proc = _train_until(ov, out, "iter_000001", prefect_api, "trainer.iterations=200")
     running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])))
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(

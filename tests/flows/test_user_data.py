@@ -16,6 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from components.models import build_char_tokenizer, build_tiny_model, save_pretrained
+from tests.conftest import descendants
 from tests.flows.conftest import small_overrides
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "arith_grpo.yaml")
@@ -302,8 +303,6 @@ def test_a_sleeping_reward_is_killed_at_the_stage_timeout_with_no_process_left(
 ):
     import time
 
-    import psutil
-
     monkeypatch.chdir(user_project)
     start = time.monotonic()
     rc, err = run_train(
@@ -312,7 +311,7 @@ def test_a_sleeping_reward_is_killed_at_the_stage_timeout_with_no_process_left(
     )
     assert rc == 2 and "did not finish within trainer.stage_timeout_s=5 s" in err, err
     assert time.monotonic() - start < 60
-    left = [p for p in psutil.Process().children(recursive=True) if "RewardScorer" in " ".join(p.cmdline())]
+    left = descendants("RewardScorer")
     assert not left
 
 

@@ -18,7 +18,12 @@ PROBE = textwrap.dedent(
     ensure_ray(warm_workers=True)
     deadline = time.time() + 120
     def idle():  # this instance's idle workers (its raylet is a child of this process)
-        return [p.pid for p in psutil.Process().children(recursive=True) if "ray::IDLE" in " ".join(p.cmdline())]
+        def named(p):  # one that exits (or is a zombie) while we look is not idle
+            try:
+                return "ray::IDLE" in " ".join(p.cmdline())
+            except psutil.Error:
+                return False
+        return [p.pid for p in psutil.Process().children(recursive=True) if named(p)]
     while time.time() < deadline and len(idle()) < WARM_WORKERS:
         time.sleep(0.2)
     warm = idle()
