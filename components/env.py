@@ -26,6 +26,8 @@ DEFAULTS = {
     "HF_HUB_OFFLINE": "1",  # nothing is downloaded: models come from local paths
     "TRANSFORMERS_VERBOSITY": "error",
     "MLFLOW_LOGGING_LEVEL": "WARNING",  # its "Creating initial MLflow database tables..." on every new store
+    # its artifact download bars (a logged model copied for evaluation) bury the run's own progress lines
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
     "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(RESULTS_DIR),
 }
 

@@ -8,8 +8,8 @@ file and unpickles nothing. It needs reinforge importable where it loads (serve 
     model.predict(pd.DataFrame({"prompt": ["12+34="]}), params={"max_new_tokens": 8})
 """
 
-from __future__ import annotations
 
+import pandas as pd
 from mlflow.models import set_model
 from mlflow.pyfunc import PythonModel
 
@@ -29,9 +29,9 @@ class Policy(PythonModel):
         trust = bool(config.get("trust_remote_code", False))  # as the run that trained it was told
         self.complete = Completer(context.artifacts[WEIGHTS], settings, "the logged model", trust)
 
-    def predict(self, context, model_input, params: dict | None = None):
-        import pandas as pd
-
+    # the DataFrame hint is what pyfunc hands over (the signature's prompt column); MLflow infers no schema
+    # from it, so the explicit signature logged with the model stays the one served
+    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         params = params or {}
         out = self.complete(
             prompts_of(model_input),
