@@ -135,6 +135,12 @@ def test_a_fresh_clone_pulls_the_outputs_then_reproduces_them_and_stays_clean(re
     assert (clone / "checkpoints" / "grpo" / "runs").is_dir()  # it trained, in a run directory of its own
     assert "Running stage" not in sh([DVC, "repro", "dvc.yaml"], clone, env)  # evaluate's input is unchanged
     assert git(clone, env, "status", "--porcelain") == ""
+    # code the train stage reads, edited (a helper beside the reward functions): its configuration's run is
+    # finished, and the stage trains a new one instead of refusing (trainer.when_finished=retrain)
+    (clone / "rewards" / "helpers.py").write_text("# shared by the reward functions\n")
+    edited = sh([DVC, "repro", "dvc.yaml"], clone, env)
+    runs = [p for p in (clone / "checkpoints" / "grpo" / "runs").iterdir() if p.is_dir()]
+    assert "Running stage 'train'" in edited and len(runs) == 2, edited
     # a changed training parameter re-runs only train and evaluate: test_repro_killed_mid_training_... below
 
 
