@@ -8,7 +8,6 @@ file and unpickles nothing. It needs reinforge importable where it loads (serve 
     model.predict(pd.DataFrame({"prompt": ["12+34="]}), params={"max_new_tokens": 8})
 """
 
-
 import pandas as pd
 from mlflow.models import set_model
 from mlflow.pyfunc import PythonModel
