@@ -3,6 +3,8 @@ checkout's auth string, and a local Ray instance listens on loopback only."""
 
 from __future__ import annotations
 
+from tests.conftest import descendants
+
 
 def test_the_embedded_prefect_api_refuses_a_client_without_the_checkouts_auth_string(prefect_api):
     """The run's own Prefect server takes Prefect's basic-auth string, made per checkout in a 0600 file: a
@@ -40,16 +42,12 @@ def test_a_local_ray_instance_listens_on_loopback_only(ray_local):
     import psutil
 
     def listening_ips(process: psutil.Process) -> list[str]:
-        # children come and go (a worker exits, a zombie awaits its parent): those listen on nothing
-        try:
-            if "ray" not in " ".join(process.cmdline()):
-                return []
+        try:  # a worker that exits while we look listens on nothing
             connections = process.net_connections(kind="inet")
         except psutil.Error:
             return []
         return [c.laddr.ip for c in connections if c.status == psutil.CONN_LISTEN]
 
     # this process's instance: its descendants (another test's `ray start` cluster may run beside it)
-    children = psutil.Process().children(recursive=True)
-    listening = [(p.pid, ip) for p in children for ip in listening_ips(p)]
+    listening = [(p.pid, ip) for p in descendants("ray") for ip in listening_ips(p)]
     assert listening and all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for _, ip in listening), listening
