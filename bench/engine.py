@@ -27,10 +27,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from components.config import load_config
     from components.data.io import read_rows, to_plain
-    from components.data.prompts import PromptSettings, encode_prompts
+    from components.data.prompts import encode_prompts
     from components.models.loading import load_model, load_tokenizer
-    from components.rollout.base import SamplingParams
     from components.rollout.hf import HFEngine
+    from components.settings import PromptSettings, SamplingParams
 
     torch.set_num_threads(2)
     ensure_models(a.workloads)

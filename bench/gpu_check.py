@@ -31,7 +31,8 @@ def tiny_model_dir() -> str:
 
 
 def prompts(tokenizer, count: int) -> list[list[int]]:
-    from components.data.prompts import PromptSettings, encode_prompts
+    from components.data.prompts import encode_prompts
+    from components.settings import PromptSettings
 
     texts = [
         [{"role": "user", "content": f"What is {a} + {3 * a + 7}? Answer after ####."}] for a in range(count)
@@ -55,8 +56,8 @@ def rollout_rate(engine, ids, params, seed=0) -> tuple[float, object]:
 
 def main(argv: list[str] | None = None) -> int:
     from components.models.loading import load_tokenizer
-    from components.rollout.base import SamplingParams, make_engine
-    from components.rollout.completions import EngineOptions
+    from components.rollout.base import make_engine
+    from components.settings import EngineOptions, SamplingParams
     from components.training.logprobs import engine_logprob_gaps
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

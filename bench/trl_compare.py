@@ -80,8 +80,9 @@ def mean_prompt_tokens(w: str) -> float:
     """Prompt tokens per row, averaged over the training data (as both trainers tokenize it)."""
     from components.config import load_config
     from components.data.io import read_rows, to_plain
-    from components.data.prompts import PromptSettings, encode_prompts
+    from components.data.prompts import encode_prompts
     from components.models.loading import load_tokenizer
+    from components.settings import PromptSettings
 
     rows = [to_plain(r) for r in read_rows(load_config(CONFIG, []).data.train_path).to_dict("records")]
     prompts = [r["prompt"] for r in rows]
@@ -179,9 +180,10 @@ def child_trl(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> d
 
     from components.config import load_config
     from components.data.io import read_rows, to_plain
-    from components.data.prompts import PromptSettings, render_prompt
+    from components.data.prompts import render_prompt
     from components.models.loading import load_tokenizer
     from components.rewards.registry import scorer_for
+    from components.settings import PromptSettings
 
     spec = WORKLOADS[w]
     cfg = load_config(CONFIG, [])

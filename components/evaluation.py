@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from components.batch import Batch
-from components.rollout.base import SamplingParams
+from components.settings import SamplingParams
 
 # (rows, params, seed) -> the rollout batch; batch -> texts; (texts, truths, sources, extras) -> scores
 Generate = Callable[[list[dict], SamplingParams, int], Batch]

@@ -3,8 +3,8 @@ the logged MLflow model's `predict` (components/tracking/policy_model.py)."""
 
 from __future__ import annotations
 
-from components.data.prompts import PromptSettings, check_fits, prompt_form
-from components.rollout.base import SamplingParams
+from components.data.prompts import check_fits, prompt_form
+from components.settings import PromptSettings, SamplingParams
 
 
 class Completer:
@@ -18,8 +18,8 @@ class Completer:
         key: str = "--model_path",
         trust_remote_code: bool = False,
     ):
-        from components.rollout.completions import EngineOptions
         from components.rollout.worker import RolloutWorker
+        from components.settings import EngineOptions
         from components.tracking import runs
 
         self.settings = settings

@@ -20,7 +20,7 @@ from components.rollout.base import RolloutOutput, left_pad
 
 if TYPE_CHECKING:
     from components.algorithms.presets import ResolvedAlgorithm
-    from components.plan import RewardSettings
+    from components.settings import RewardSettings
 
 
 def rollout_batch(

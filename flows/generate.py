@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import sys
 
-from components.data.prompts import MESSAGES, PromptSettings, prompt_form
+from components.data.prompts import MESSAGES, prompt_form
 from components.errors import ConfigError, ReinforgeError
 from components.generation import Completer
+from components.settings import PromptSettings
 from flows import parsers
 from flows._args import report
 

@@ -7,7 +7,6 @@ from prefect import task
 from components.config import Config
 from components.config.checks import escape_problem
 from components.data.clean import RowRules, validate_file
-from components.data.prompts import PromptSettings
 from components.errors import ConfigError, DataError
 from components.models.loading import load_tokenizer
 from components.outputs import REWARD_MODEL, check_output
@@ -18,6 +17,7 @@ from components.rewards.reward_model import (
     pair_accuracy,
     train_reward_model,
 )
+from components.settings import PromptSettings
 from components.training.seeding import seed_everything
 from tasks.common import logger
 

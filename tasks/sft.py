@@ -10,7 +10,6 @@ from prefect import task
 from components.config import Config
 from components.data.clean import RowRules, validate_file
 from components.data.images import ImageEncoder, absolute_images
-from components.data.prompts import PromptSettings
 from components.errors import DataError
 from components.models import load_model, save_pretrained
 from components.models.loading import load_image_encoder
@@ -18,6 +17,7 @@ from components.models.multimodal import compose_policy
 from components.models.tiny import tiny_model_for
 from components.outputs import SFT_MODEL, check_output
 from components.progress import progress_bar
+from components.settings import PromptSettings
 from components.stages import STAGES
 from components.training.optim import freeze_vision, param_groups
 from components.training.seeding import seed_everything

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from components.algorithms.registry import Registry
+from components.settings import PolicyLossParams
 
 AGG_MODES: Registry = Registry("loss aggregation mode", "algorithm.loss_agg_mode")
 KL_ESTIMATORS: Registry = Registry("KL estimator", "algorithm.kl_loss_type")
@@ -87,14 +88,6 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
         grad = kl_k2(logp, ref_logp)
         return grad - grad.detach() + base.detach()
     return KL_ESTIMATORS.get(kind)(logp, ref_logp)
-
-
-@dataclass(frozen=True)
-class PolicyLossParams:
-    clip_low: float = 0.2  # 1 - clip_low is the lower ratio bound
-    clip_high: float = 0.2  # 1 + clip_high is the upper ratio bound (DAPO: larger)
-    clip_ratio_c: float = 3.0  # dual clip for negative advantages
-    agg_mode: str = "token-mean"
 
 
 def _ratio_metrics(mask, agg: AggParams, log_ratio, clipped, clipped_lower) -> dict[str, torch.Tensor]:

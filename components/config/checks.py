@@ -214,7 +214,8 @@ def lora_config_problems(cfg: Config) -> list[str]:
             "set engine.lora_merge_on_sync=true."
         )
     problems += lora_limits(cfg, "actor.lora", lora.rank)
-    from components.models.lora import LoraSettings, lora_problems
+    from components.models.lora import lora_problems
+    from components.settings import LoraSettings
 
     return problems + lora_problems(cfg.actor.model.path, LoraSettings.from_config(lora))
 
@@ -251,7 +252,8 @@ def critic_lora_problems(cfg: Config) -> list[str]:
             "this version; set critic.lora.quantization=none."
         )
     problems += lora_limits(cfg, "critic.lora", lora.rank)
-    from components.models.lora import LoraSettings, lora_problems
+    from components.models.lora import lora_problems
+    from components.settings import LoraSettings
 
     backbone = cfg.critic.model_path or cfg.actor.model.path
     return problems + lora_problems(backbone, LoraSettings.from_config(lora), "critic.lora")

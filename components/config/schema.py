@@ -384,19 +384,6 @@ class SandboxConfig(Section):
                 ) from None
         return self
 
-    def limits(self):
-        from components.rewards.sandbox import SandboxLimits
-
-        return SandboxLimits(
-            timeout_s=self.timeout_s,
-            cpu_s=self.cpu_s,
-            memory_mb=self.memory_mb,
-            max_processes=self.max_processes,
-            max_open_files=self.max_open_files,
-            max_output_bytes=self.max_output_bytes,
-            allowed_packages=tuple(self.allowed_packages),
-        )
-
 
 class ImageProcessorConfig(Section):
     size: int = Field(32, ge=8, description="images are resized to this many pixels a side")

@@ -25,14 +25,9 @@ import pandera.pandas as pa
 from components.data.formats import row_schema
 from components.data.images import IMAGE_TOKEN, image_problem, image_ref
 from components.data.io import read_rows, to_plain, write_parquet
-from components.data.prompts import (
-    PromptSettings,
-    check_fits,
-    encode_prompt,
-    prompt_form,
-    prompt_text,
-)
+from components.data.prompts import check_fits, encode_prompt, prompt_form, prompt_text
 from components.errors import ConfigError, DataError
+from components.settings import PromptSettings
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
 QUARANTINE_COLUMNS = ["source_file", "source_row", "reason", "column", "detail", "row_json"]

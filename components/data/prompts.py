@@ -12,12 +12,12 @@ on in SFT are the ids the rollout engine samples from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from components.errors import ConfigError
+from components.settings import MESSAGES, PromptSettings
 
-MESSAGES, TEXT = "messages", "text"
+TEXT = "text"  # a prompt given as a plain string (MESSAGES: chat messages)
 
 
 def prompt_form(prompt: Any) -> str | None:
@@ -46,21 +46,6 @@ def prompt_text(prompt: Any) -> str:
     if isinstance(prompt, str):
         return prompt
     return "\n".join(m["content"] for m in prompt)
-
-
-@dataclass(frozen=True)
-class PromptSettings:
-    """How prompts become token ids: `data.apply_chat_template` (None = messages yes, strings no)."""
-
-    apply_chat_template: bool | None = None
-
-    @classmethod
-    def from_config(cls, cfg) -> PromptSettings:
-        return cls(cfg.data.apply_chat_template)
-
-    def templated(self, form: str) -> bool:
-        """Whether a prompt of this form goes through the chat template."""
-        return form == MESSAGES if self.apply_chat_template is None else self.apply_chat_template
 
 
 def check_fits(tokenizer, form: str, settings: PromptSettings, where: str) -> None:

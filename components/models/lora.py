@@ -16,49 +16,31 @@ place and back, which would round the base weights.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from components.settings import LoraSettings
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 INITS = {"default": True, "gaussian": "gaussian"}  # actor.lora.init -> peft's init_lora_weights
 
 
-@dataclass(frozen=True)
-class LoraSettings:
-    """actor.lora, resolved: rank 0 = full fine-tuning."""
+def peft_config(s: LoraSettings, base_path: str | None = None):
+    """peft's LoraConfig of these settings."""
+    from peft import LoraConfig
 
-    rank: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] | str = "all-linear"
-    init: str = "default"
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    @classmethod
-    def from_config(cls, c) -> LoraSettings:
-        targets = c.target_modules if isinstance(c.target_modules, str) else tuple(c.target_modules)
-        return cls(c.rank, c.alpha, c.dropout, targets, c.init)
-
-    def peft_config(self, base_path: str | None = None):
-        from peft import LoraConfig
-
-        return LoraConfig(
-            r=self.rank,
-            lora_alpha=self.alpha,
-            lora_dropout=self.dropout,
-            target_modules=list(self.target_modules)
-            if isinstance(self.target_modules, tuple)
-            else self.target_modules,
-            init_lora_weights=INITS[self.init],
-            base_model_name_or_path=base_path,
-            task_type="CAUSAL_LM",
-        )
+    targets = s.target_modules
+    return LoraConfig(
+        r=s.rank,
+        lora_alpha=s.alpha,
+        lora_dropout=s.dropout,
+        target_modules=list(targets) if isinstance(targets, tuple) else targets,
+        init_lora_weights=INITS[s.init],
+        base_model_name_or_path=base_path,
+        task_type="CAUSAL_LM",
+    )
 
 
 def apply_lora(model: torch.nn.Module, s: LoraSettings, base_path: str | None = None) -> torch.nn.Module:
@@ -66,7 +48,7 @@ def apply_lora(model: torch.nn.Module, s: LoraSettings, base_path: str | None = 
     (seeded) RNG."""
     from peft import get_peft_model
 
-    return get_peft_model(model, s.peft_config(base_path))
+    return get_peft_model(model, peft_config(s, base_path))
 
 
 def is_lora(model: torch.nn.Module) -> bool:

@@ -29,7 +29,8 @@ import operator
 import re
 from functools import lru_cache
 
-from components.rewards.sandbox import Sandbox, SandboxLimits, SessionClosed
+from components.rewards.sandbox import Sandbox, SessionClosed
+from components.settings import SandboxLimits
 
 STATUSES = ("ok", "error", "exited", "tampered", "timeout", "memory", "output_limit", "processes")
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.S)

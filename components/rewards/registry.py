@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from components.errors import RewardError
 from components.rewards import countdown, gsm8k
+from components.settings import SandboxLimits
 
 if TYPE_CHECKING:
     from components.config.schema import Config
@@ -42,7 +43,9 @@ def _code(cfg: Config) -> Scorer:
     from components.rewards.sandbox import bwrap_path
 
     bwrap_path()  # no bubblewrap: refuse here, before any rollout, rather than run code unconfined
-    fn = partial(code_exec.score, limits=cfg.sandbox.limits(), concurrency=cfg.sandbox.concurrency)
+    fn = partial(
+        code_exec.score, limits=SandboxLimits.from_config(cfg.sandbox), concurrency=cfg.sandbox.concurrency
+    )
     fn.concurrent = True  # waits on a subprocess: scored in parallel, up to sandbox.concurrency at once
     return fn
 

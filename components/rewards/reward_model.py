@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from components.data.prompts import PromptSettings, render_prompt
+from components.data.prompts import render_prompt
 from components.errors import ConfigError
 from components.models.loading import DTYPES, check_model_dir, load_tokenizer
+from components.settings import PromptSettings
 
 
 def load_reward_model(

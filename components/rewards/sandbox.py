@@ -52,6 +52,7 @@ from pathlib import Path
 
 from components.rewards.cgroup import MemoryCgroup, memory_cgroup
 from components.rewards.seccomp import seccomp_filter
+from components.settings import SandboxLimits
 
 INSTALL_HINT = (
     "install bubblewrap (Debian/Ubuntu: `apt-get install -y bubblewrap`; Fedora: `dnf install "
@@ -69,20 +70,6 @@ CGROUP_SLACK_MB = 64
 
 class SandboxUnavailable(RuntimeError):
     """bubblewrap is missing or cannot create its namespaces here: code is never run unconfined."""
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    timeout_s: float = 10.0  # wall clock, then the whole process group is killed
-    cpu_s: int = 5  # CPU-seconds of the whole process tree (RLIMIT_CPU per process too)
-    memory_mb: int = 512  # resident memory of the whole tree (RLIMIT_AS per process too)
-    max_processes: int = 16  # processes of the tree (RLIMIT_NPROC of the leased uid)
-    max_open_files: int = 64  # RLIMIT_NOFILE
-    max_output_bytes: int = 1 << 20  # RLIMIT_FSIZE: stdout, stderr and any file written in /tmp
-    tmp_mb: int = 64  # size of the private tmpfs
-    allowed_packages: tuple[
-        str, ...
-    ] = ()  # importable besides the standard library (sandbox.allowed_packages)
 
 
 @dataclass

@@ -9,16 +9,7 @@ from typing import Protocol
 import torch
 
 from components.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    n: int = 1  # completions per prompt
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    max_new_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()  # besides EOS: a sequence ends after sampling one of these
+from components.settings import SamplingParams
 
 
 @dataclass
@@ -119,7 +110,7 @@ def make_engine(
 ) -> RolloutEngine:
     """The engine for `engine.type`, over the model at `path` (the hf engine can take a loaded `model`, a
     colocated policy's own module). A missing package raises ConfigError with its install command."""
-    from components.rollout.completions import EngineOptions
+    from components.settings import EngineOptions
 
     if engine_type not in ENGINES:
         raise ConfigError(f"engine.type={engine_type}: unknown; available: {', '.join(sorted(ENGINES))}.")

@@ -4,7 +4,6 @@ shape the package returns them in) into our RolloutOutput. Pure functions, teste
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from components.errors import ConfigError
@@ -19,43 +18,6 @@ ENGINE_PACKAGES = {
     "sglang": ("sglang", f"{GPU_EXTRA}  (sglang, needs a CUDA GPU)"),
     "trtllm": ("tensorrt_llm", "pip install tensorrt-llm  (needs a CUDA GPU)"),
 }
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """Settings a GPU engine is built with (from `engine.*` and `actor.model.*`)."""
-
-    dtype: str = "bfloat16"
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.5
-    max_model_len: int = 4096
-    sleep_during_update: bool = False  # free the KV cache while the policy updates (colocated on one GPU)
-    seed: int = 0
-    enforce_eager: bool = False
-    attention_implementation: str = "sdpa"  # the hf engine's
-    lora_rank: int = (
-        0  # the policy's adapters' rank when the engine receives adapters alone (vllm, sglang): its slots
-    )
-    # the adapters' target modules (actor.lora.target_modules) where the engine reserves their slots up front
-    # (sglang); "all-linear" = every linear layer of the decoder
-    lora_targets: tuple[str, ...] | str = "all-linear"
-    trust_remote_code: bool = False  # actor.model.trust_remote_code: run the model directory's own code
-
-    @classmethod
-    def from_config(cls, cfg) -> EngineOptions:
-        e, m = cfg.engine, cfg.actor.model
-        return cls(
-            dtype=m.dtype,
-            tensor_parallel_size=e.tensor_parallel_size,
-            gpu_memory_utilization=e.gpu_memory_utilization,
-            max_model_len=m.max_seq_len,
-            sleep_during_update=e.sleep_during_update,
-            seed=cfg.trainer.seed,
-            attention_implementation=m.attention_implementation,
-            lora_rank=0 if e.lora_merge_on_sync else cfg.actor.lora.rank,
-            lora_targets=t if isinstance(t := cfg.actor.lora.target_modules, str) else tuple(t),
-            trust_remote_code=m.trust_remote_code,
-        )
 
 
 # the adapter ranks vLLM has kernels for (its max_lora_rank must be one of them)
@@ -96,10 +58,10 @@ class AdapterDirs:
 
         from safetensors.torch import save_file
 
-        from components.models.lora import ADAPTER_WEIGHTS
+        from components.models.lora import ADAPTER_WEIGHTS, peft_config
 
         out = Path(tempfile.mkdtemp(prefix=f"reinforge_adapter_v{version}_"))
-        self.lora.peft_config(self.base_path).save_pretrained(out)
+        peft_config(self.lora, self.base_path).save_pretrained(out)
         save_file({k: v.contiguous() for k, v in state.items()}, out / ADAPTER_WEIGHTS)
         self.dirs.append(out)
         while len(self.dirs) > 2:

@@ -9,9 +9,10 @@ import torch
 
 from components.models.loading import image_token_id
 from components.models.lora import is_lora
-from components.rollout.base import PromptImages, RolloutOutput, SamplingParams, check_newer, left_pad
+from components.rollout.base import PromptImages, RolloutOutput, check_newer, left_pad
 from components.rollout.fast_decode import LeanDecoder, prefill_mask, unsupported_reason
 from components.rollout.sampling import sample_tokens
+from components.settings import SamplingParams
 
 if TYPE_CHECKING:  # transformers' modeling code: imported where a model is built, not here
     from transformers import PreTrainedModel

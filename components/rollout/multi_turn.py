@@ -11,33 +11,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from components.rollout.base import RolloutOutput, SamplingParams
+from components.rollout.base import RolloutOutput
 from components.rollout.tools import CALL_CLOSE, TOOLS, ToolError, parse_tool_call
+from components.settings import SamplingParams
 from components.training.seeding import derive_seed
 
 _MARK = "\u2063ASSISTANT\u2063"  # a placeholder no real answer contains
-
-
-@dataclass(frozen=True)
-class MultiTurnSettings:
-    max_turns: int
-    tools: tuple[str, ...]
-    max_tool_chars: int
-    sandbox_limits: object = None  # SandboxLimits for the python tool
-    concurrency: int = 2
-
-    @classmethod
-    def from_config(cls, cfg) -> MultiTurnSettings | None:
-        m = cfg.multi_turn
-        if not m.enable:
-            return None
-        return cls(
-            m.max_turns,
-            tuple(m.tools),
-            m.max_tool_response_chars,
-            cfg.sandbox.limits(),
-            cfg.sandbox.concurrency,
-        )
 
 
 @dataclass

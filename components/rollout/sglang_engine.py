@@ -14,15 +14,9 @@ from __future__ import annotations
 import torch
 
 from components.models.loading import is_vlm_dir
-from components.rollout.base import PromptImages, RolloutOutput, SamplingParams, check_newer
-from components.rollout.completions import (
-    AdapterDirs,
-    EngineOptions,
-    context_length,
-    logprob_of,
-    require,
-    to_rollout_output,
-)
+from components.rollout.base import PromptImages, RolloutOutput, check_newer
+from components.rollout.completions import AdapterDirs, context_length, logprob_of, require, to_rollout_output
+from components.settings import EngineOptions, SamplingParams
 
 
 def sampling_params(params: SamplingParams, seed: int | None = None) -> dict:

@@ -93,7 +93,8 @@ class PythonTool:
     )
 
     def __init__(self, limits=None, concurrency: int = 2):
-        from components.rewards.sandbox import Sandbox, SandboxLimits
+        from components.rewards.sandbox import Sandbox
+        from components.settings import SandboxLimits
 
         self.sandbox = Sandbox(limits or SandboxLimits(), concurrency)
 

@@ -13,14 +13,9 @@ from pathlib import Path
 
 import torch
 
-from components.rollout.base import PromptImages, RolloutOutput, SamplingParams, check_newer
-from components.rollout.completions import (
-    EngineOptions,
-    context_length,
-    request_completions,
-    require,
-    to_rollout_output,
-)
+from components.rollout.base import PromptImages, RolloutOutput, check_newer
+from components.rollout.completions import context_length, request_completions, require, to_rollout_output
+from components.settings import EngineOptions, SamplingParams
 
 
 def sampling_kwargs(params: SamplingParams, seed: int) -> dict:

@@ -16,10 +16,9 @@ from dataclasses import replace
 
 import torch
 
-from components.rollout.base import PromptImages, RolloutOutput, SamplingParams, check_newer
+from components.rollout.base import PromptImages, RolloutOutput, check_newer
 from components.rollout.completions import (
     AdapterDirs,
-    EngineOptions,
     completion_sample,
     context_length,
     lora_slots,
@@ -27,6 +26,7 @@ from components.rollout.completions import (
     require,
     to_rollout_output,
 )
+from components.settings import EngineOptions, SamplingParams
 
 
 def sampling_kwargs(params: SamplingParams, seed: int) -> dict:

@@ -5,41 +5,25 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from components.batch import Batch
-from components.data.prompts import PromptSettings, encode_prompts
+from components.data.prompts import encode_prompts
 from components.models.loading import load_image_encoder, load_tokenizer
-from components.models.lora import LoraSettings
 from components.rl import rollout_batch
-from components.rollout.base import (
-    PromptImages,
-    RolloutOutput,
+from components.rollout.base import PromptImages, RolloutOutput, continue_samples, make_engine
+from components.rollout.multi_turn import make_tools, multi_turn_generate
+from components.settings import (
+    EngineOptions,
+    LoraSettings,
+    MultiTurnSettings,
+    PromptSettings,
+    RolloutSettings,
     SamplingParams,
-    continue_samples,
-    make_engine,
 )
-from components.rollout.completions import EngineOptions
-from components.rollout.multi_turn import MultiTurnSettings, make_tools, multi_turn_generate
 from components.training.seeding import derive_seed
-
-
-@dataclass(frozen=True)
-class RolloutSettings:
-    """What a rollout worker is built from (the run plan's slice for it)."""
-
-    model_path: str
-    engine_type: str = "hf"
-    options: EngineOptions = field(default_factory=lambda: EngineOptions(dtype="float32"))
-    num_threads: int = 2
-    multi_turn: MultiTurnSettings | None = None
-    prompts: PromptSettings = field(default_factory=PromptSettings)
-    lora: LoraSettings | None = None  # the policy's adapters, which this engine's copy holds and receives
-    # trainer.partial_rollouts: an update that arrives during a training rollout stops its samples where they
-    # are, and they are finished with the new weights (else the update waits for the rollout's end)
-    partial: bool = False
 
 
 class RolloutWorker:

@@ -20,8 +20,8 @@ class Policy(PythonModel):
     DataFrame with one `completion` per prompt. Params: max_new_tokens, temperature (0 = greedy), seed."""
 
     def load_context(self, context) -> None:
-        from components.data.prompts import PromptSettings
         from components.generation import Completer
+        from components.settings import PromptSettings
 
         config = context.model_config or {}
         settings = PromptSettings(config.get("apply_chat_template"))

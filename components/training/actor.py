@@ -6,13 +6,13 @@ aggregated with the same mode and the counts of the whole mini-batch (see compon
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from components.algorithms.losses import POLICY_LOSSES, AggParams, PolicyLossParams, agg_loss, kl_penalty
+from components.algorithms.losses import POLICY_LOSSES, AggParams, agg_loss, kl_penalty
 from components.batch import Batch
+from components.settings import UpdateSettings
 from components.training.distributed import Comm
 from components.training.logprobs import (
     batch_logprobs,
@@ -21,52 +21,10 @@ from components.training.logprobs import (
     response_logprobs,
     vision_inputs,
 )
-from components.training.loop import LoopSettings, minibatch_update, row_chunks
+from components.training.loop import minibatch_update, row_chunks
 
 if TYPE_CHECKING:  # transformers' modeling code: imported where a model is built, not here
     from transformers import PreTrainedModel
-
-
-@dataclass(frozen=True)
-class UpdateSettings:
-    loop: LoopSettings = field(default_factory=LoopSettings)  # epochs, mini/micro-batches, grad clip, seed
-    temperature: float = 1.0
-    beta: float = 0.0  # KL-to-reference loss coefficient (kl_loss_coef); 0 = no KL term
-    kl_loss_type: str = "low_var_kl"
-    entropy_coeff: float = 0.0
-    policy_loss: str = "vanilla"
-    loss: PolicyLossParams = field(default_factory=PolicyLossParams)
-    autocast_dtype: str | None = None  # "bf16" / "fp16": autocast the update's forward passes
-
-
-def update_settings(cfg, algo) -> UpdateSettings:
-    """The update of the config's actor under the resolved algorithm `algo` (autocast as configured; on FSDP's
-    parameter dtype the policy worker turns it off)."""
-    a = cfg.algorithm
-    loop = LoopSettings(
-        ppo_epochs=cfg.actor.ppo_epochs,
-        mini_batch_size=cfg.actor.ppo_mini_batch_size,
-        micro_batch_size=cfg.actor.ppo_micro_batch_size,
-        max_tokens=cfg.actor.ppo_max_token_len_per_worker,
-        grad_clip=cfg.actor.optimizer.grad_clip,
-        norm_const=float(cfg.engine.max_new_tokens),
-        seed=cfg.trainer.seed,
-    )
-    return UpdateSettings(
-        loop=loop,
-        temperature=cfg.engine.temperature or 1.0,
-        beta=a.kl_loss_coef if algo.use_kl_loss else 0.0,
-        kl_loss_type=algo.kl_loss_type,
-        entropy_coeff=a.entropy_coeff,
-        policy_loss=algo.policy_loss,
-        loss=PolicyLossParams(
-            clip_low=a.clip_epsilon,
-            clip_high=algo.clip_ratio_high,
-            clip_ratio_c=a.clip_ratio_c,
-            agg_mode=algo.loss_agg_mode,
-        ),
-        autocast_dtype=cfg.mixed_precision.dtype if cfg.mixed_precision.enabled else None,
-    )
 
 
 def autocast(model: torch.nn.Module, dtype_name: str | None):

@@ -10,10 +10,11 @@ import torch
 from components.algorithms.losses import AggParams, value_loss
 from components.batch import Batch
 from components.models.loading import image_token_id, load_model
-from components.models.lora import LoraSettings, apply_lora
+from components.models.lora import apply_lora
+from components.settings import LoopSettings, LoraSettings
 from components.training.distributed import Comm
 from components.training.logprobs import response_attention, sequence_inputs
-from components.training.loop import LoopSettings, minibatch_update, row_chunks
+from components.training.loop import minibatch_update, row_chunks
 
 if TYPE_CHECKING:  # transformers' modeling code: imported where a model is built, not here
     from transformers import PreTrainedModel

@@ -14,13 +14,13 @@ longest prompt and response, so padding columns no row needs are never computed.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from components.algorithms.losses import AggParams
 from components.batch import Batch
 from components.data.sampler import pack_by_tokens
+from components.settings import LoopSettings
 from components.training.distributed import Comm, make_step
 from components.training.logprobs import response_attention
 
@@ -40,17 +40,6 @@ TOKEN_KEYS = (
     "token_rewards",
     "values",
 )
-
-
-@dataclass(frozen=True)
-class LoopSettings:
-    ppo_epochs: int = 1
-    mini_batch_size: int | None = None  # global rows per optimizer step; None = the whole batch
-    micro_batch_size: int | None = None  # rows per forward pass; None = the whole mini-batch
-    max_tokens: int | None = None  # pack micro-batches to this many padded tokens instead (per worker)
-    grad_clip: float = 1.0
-    norm_const: float = 1.0  # seq-mean-token-sum-norm constant (max response length)
-    seed: int = 0
 
 
 def row_lengths(b: Batch) -> torch.Tensor:

@@ -20,10 +20,10 @@ import ray
 import torch
 
 from components.batch import Batch
-from components.plan import Placement, PolicySettings, ReferenceSettings, RunPlan
-from components.rollout.base import SamplingParams
+from components.plan import RunPlan
 from components.rollout.pool import FAILURES, EnginePool
-from components.rollout.worker import RolloutSettings, RolloutWorker
+from components.rollout.worker import RolloutWorker
+from components.settings import Placement, PolicySettings, ReferenceSettings, RolloutSettings, SamplingParams
 from components.training.cluster import ensure_ray
 from components.training.distributed import GroupSpec
 from components.training.loop import balanced_shards

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from components.data.prompts import PromptSettings, encode_prompt
+from components.data.prompts import encode_prompt
+from components.settings import PromptSettings
 
 if TYPE_CHECKING:  # transformers' modeling code: imported where a model is built, not here
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

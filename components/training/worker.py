@@ -19,7 +19,6 @@ from components.models.loading import load_image_encoder, load_model, load_token
 from components.models.lora import (
     ADAPTER_WEIGHTS,
     AdaptersOff,
-    LoraSettings,
     adapter_state,
     apply_lora,
     load_adapter_state,
@@ -27,11 +26,11 @@ from components.models.lora import (
     save_adapter,
 )
 from components.outputs import MODEL
-from components.plan import PolicySettings, ReferenceSettings
+from components.settings import LoraSettings, PolicySettings, ReferenceSettings, UpdateSettings
 from components.tracking import sharded as S
 from components.tracking.checkpoints import load_optimizer, save_optimizer
 from components.training import distributed as D
-from components.training.actor import PolicyTrainer, UpdateSettings
+from components.training.actor import PolicyTrainer
 from components.training.critic import CriticTrainer, build_value_model
 from components.training.logprobs import batch_logprobs
 from components.training.optim import freeze_vision, make_optimizer, make_scheduler, param_groups

@@ -10,9 +10,9 @@ from components.algorithms.presets import resolve
 from components.batch import Batch
 from components.config import load_config
 from components.config.schema import AlgorithmConfig
-from components.plan import RewardSettings
 from components.rewards.registry import REWARDS, score_with_config
 from components.rl import add_advantages, add_rewards, concat_rounds, first_groups, informative_rows
+from components.settings import RewardSettings
 
 REWARD_CFG = load_config(None)
 SETTINGS = RewardSettings(overlong=(16, 0, 1.0))  # no overlong penalty; at most half the rewards invalid
@@ -67,7 +67,8 @@ def test_invalid_rewards_are_counted_zero_advantage_and_masked_out(nan_scorer):
 
 
 def test_invalid_rewards_never_reach_the_loss(nan_scorer, tokenizer):
-    from components.training.actor import PolicyTrainer, UpdateSettings
+    from components.settings import UpdateSettings
+    from components.training.actor import PolicyTrainer
     from tests.conftest import make_model
 
     texts = ["nan", "none", "inf", "nan", "none", "inf"]  # every reward invalid (a run would stop on it:

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from components.algorithms.losses import AggParams, PolicyLossParams, agg_loss, kl_penalty, vanilla_ppo
+from components.algorithms.losses import AggParams, agg_loss, kl_penalty, vanilla_ppo
+from components.settings import PolicyLossParams
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
@@ -219,7 +220,8 @@ def test_explained_variance_hand_computed():
 
 def test_entropy_and_kl_enter_the_actor_loss_with_their_coefficients(tokenizer):
     from components.batch import Batch
-    from components.training.actor import PolicyTrainer, UpdateSettings
+    from components.settings import UpdateSettings
+    from components.training.actor import PolicyTrainer
     from tests.conftest import make_model
 
     g = torch.Generator().manual_seed(0)

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from components.algorithms.losses import AggParams, PolicyLossParams, agg_loss, kl_penalty, vanilla_ppo
+from components.algorithms.losses import AggParams, agg_loss, kl_penalty, vanilla_ppo
+from components.settings import PolicyLossParams
 
 grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL comes with the dev extra")
 

@@ -129,7 +129,7 @@ def test_messages_need_a_chat_template(tmp_path):
 
 
 def _settings(value):
-    from components.data.prompts import PromptSettings
+    from components.settings import PromptSettings
 
     return PromptSettings(value)
 

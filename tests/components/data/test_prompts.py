@@ -4,10 +4,10 @@ import pytest
 import torch
 from tokenizers.processors import TemplateProcessing
 
-from components.data.prompts import PromptSettings, encode_prompt, render_prompt
+from components.data.prompts import encode_prompt, render_prompt
 from components.models import build_char_tokenizer, build_tiny_model, save_pretrained
-from components.rollout.base import SamplingParams
 from components.rollout.worker import RolloutWorker
+from components.settings import PromptSettings, SamplingParams
 from components.training.sft import encode_examples
 
 MESSAGES = [{"role": "user", "content": "12 + 34 ="}]

@@ -10,24 +10,21 @@ import copy
 import pytest
 import torch
 
-from components.algorithms.losses import PolicyLossParams
 from components.config import load_config
 from components.errors import ConfigError
 from components.models.loading import load_model
 from components.models.lora import (
     AdaptersOff,
-    LoraSettings,
     adapter_state,
     apply_lora,
     is_adapter_dir,
     merged_state,
     save_adapter,
 )
-from components.rollout.base import SamplingParams
 from components.rollout.worker import RolloutWorker
-from components.training.actor import PolicyTrainer, UpdateSettings
+from components.settings import LoopSettings, LoraSettings, PolicyLossParams, SamplingParams, UpdateSettings
+from components.training.actor import PolicyTrainer
 from components.training.logprobs import batch_logprobs
-from components.training.loop import LoopSettings
 from components.training.optim import make_optimizer, param_groups
 from tests.components.training.test_actor import synthetic_batch
 

@@ -74,10 +74,10 @@ def test_a_directory_that_asks_to_run_code_is_refused_on_every_load_path(
 
 
 def test_the_reward_model_critic_engine_and_processor_paths_refuse_it_too(tiny_model_dir, tmp_path):
-    from components.models.lora import LoraSettings
     from components.models.vlm import load_processor
     from components.rewards.reward_model import load_reward_model
     from components.rollout.worker import RolloutWorker
+    from components.settings import LoraSettings
     from components.training.critic import build_value_model
 
     d, canary = code_dir(tiny_model_dir, tmp_path)

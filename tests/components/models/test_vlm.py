@@ -16,10 +16,10 @@ from components.models.vlm import (
     vision_parameter,
     with_image_token,
 )
-from components.rollout.base import SamplingParams
 from components.rollout.hf import HFEngine, left_pad
 from components.rollout.sglang_engine import request_inputs
 from components.rollout.vllm_engine import token_prompts
+from components.settings import SamplingParams
 from components.training.logprobs import response_logprobs
 from components.training.optim import freeze_vision, param_groups
 

@@ -16,7 +16,8 @@ import psutil
 import pytest
 
 from components.rewards import code_exec
-from components.rewards.sandbox import SLOT_UID_BASE, UID_RANGE, Sandbox, SandboxLimits, SandboxUnavailable
+from components.rewards.sandbox import SLOT_UID_BASE, UID_RANGE, Sandbox, SandboxUnavailable
+from components.settings import SandboxLimits
 
 pytestmark = pytest.mark.skipif(
     shutil.which("bwrap") is None,

@@ -12,8 +12,9 @@ import time
 import pytest
 
 from components.rewards.cgroup import own_memory_cgroup
-from components.rewards.sandbox import Sandbox, SandboxLimits
+from components.rewards.sandbox import Sandbox
 from components.rewards.seccomp import ARCHES, seccomp_filter
+from components.settings import SandboxLimits
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 

@@ -21,9 +21,10 @@ import torch
 from components.config import load_config
 from components.errors import ConfigError
 from components.rollout import sglang_engine, trtllm_engine, vllm_engine
-from components.rollout.base import SamplingParams, check_newer, make_engine
+from components.rollout.base import check_newer, make_engine
 from components.rollout.completions import engine_problems, to_rollout_output
 from components.rollout.pool import split_by_load
+from components.settings import SamplingParams
 
 GPU_ENGINES = ["vllm", "sglang", "trtllm"]
 
@@ -205,9 +206,9 @@ ROWS = [
 def pool(tiny_model_dir, ray_local):
     import ray
 
-    from components.rollout.completions import EngineOptions
     from components.rollout.pool import EnginePool
     from components.rollout.worker import RolloutWorker
+    from components.settings import EngineOptions
 
     class Slow(RolloutWorker):
         def generate(self, *a, **kw):
@@ -275,9 +276,9 @@ def tiny_vllm(tmp_path, tokenizer, lora_rank: int = 0):
     """A tiny Qwen2 saved under tmp_path, six arithmetic prompts and a vllm engine over the model, with LoRA
     slots of `lora_rank`. 5 % of host RAM for its KV cache: on vLLM's CPU build that fraction is reserved, and
     the 0.5 default leaves no room for the next test's engine."""
-    from components.data.prompts import PromptSettings, encode_prompts
+    from components.data.prompts import encode_prompts
     from components.models import build_tiny_model, save_pretrained
-    from components.rollout.completions import EngineOptions
+    from components.settings import EngineOptions, PromptSettings
 
     policy = build_tiny_model(
         tokenizer, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_positions=256, seed=0
@@ -356,8 +357,8 @@ def test_vllm_rollout_worker_finishes_samples_with_the_update_that_cut_them(vllm
     """trainer.partial_rollouts with engine.type=vllm: an update announced as the rollout starts stops it after
     the engine's first step; the samples are finished with the new weights, flagged, each token's log-prob
     the policy's that sampled it (the first the old policy's, the rest the new one's)."""
-    from components.rollout.completions import EngineOptions
     from components.rollout.worker import RolloutWorker
+    from components.settings import EngineOptions
     from components.training.logprobs import batch_logprobs
     from tests.components.rollout.test_worker import ROWS, announce_update_first
 
@@ -390,7 +391,8 @@ def test_vllm_takes_the_adapters_alone_and_samples_as_the_trainer(vllm_ready, tm
     """LoRA with vLLM (engine.lora_merge_on_sync false): the engine holds the base model and receives only the
     adapter tensors after each update; its log-probs are then the adapted policy's, under a new adapter id
     per version, and the base weights it holds never change."""
-    from components.models.lora import LoraSettings, adapter_state, apply_lora
+    from components.models.lora import adapter_state, apply_lora
+    from components.settings import LoraSettings
     from components.training.logprobs import engine_logprob_gaps
 
     lora = LoraSettings(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj", "up_proj", "down_proj"))
@@ -422,7 +424,7 @@ def test_sglangs_adapter_slots_are_server_args_it_accepts():
     server_args = pytest.importorskip("sglang.srt.server_args")
     from dataclasses import fields
 
-    from components.rollout.completions import EngineOptions
+    from components.settings import EngineOptions
 
     names = {f.name for f in fields(server_args.ServerArgs)}
     assert set(sglang_engine.lora_server_args(EngineOptions(lora_rank=16))) <= names

@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from components.rollout.base import SamplingParams
 from components.rollout.fast_decode import LeanDecoder, prefill_mask, unsupported_reason
 from components.rollout.hf import HFEngine, left_pad
+from components.settings import SamplingParams
 from components.training.logprobs import response_logprobs
 from tests.conftest import make_model
 

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from components.errors import ConfigError
-from components.rollout.base import SamplingParams, make_engine
+from components.rollout.base import make_engine
 from components.rollout.hf import HFEngine
 from components.rollout.sampling import filter_logits
+from components.settings import SamplingParams
 from components.training.logprobs import response_logprobs
 from tests.conftest import make_model
 

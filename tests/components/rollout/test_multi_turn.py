@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from components.batch import Batch
-from components.rollout.base import RolloutOutput, SamplingParams
+from components.rollout.base import RolloutOutput
 from components.rollout.multi_turn import multi_turn_generate, tool_turn_text
 from components.rollout.tools import Calculator, ToolError, parse_tool_call, tool_call_text
+from components.settings import SamplingParams
 from components.training.logprobs import batch_logprobs, response_logprobs
 from components.training.sft import collate, encode_examples
 

@@ -17,8 +17,8 @@ import torch
 from components.config import load_config
 from components.errors import ConfigError
 from components.models.loading import load_model
-from components.rollout.base import SamplingParams
-from components.rollout.worker import RolloutSettings, RolloutWorker
+from components.rollout.worker import RolloutWorker
+from components.settings import RolloutSettings, SamplingParams
 from components.training.logprobs import batch_logprobs
 from tests.conftest import arith_rows, make_model
 
@@ -100,7 +100,7 @@ def test_evaluation_is_never_interrupted(tiny_model_dir):
 def test_through_ray_an_update_does_not_wait_for_the_rollout_in_flight(tiny_model_dir, tokenizer, ray_local):
     import ray
 
-    from components.rollout.completions import EngineOptions
+    from components.settings import EngineOptions
     from components.training.ray_workers import UPDATES, start_engine
 
     settings = RolloutSettings(str(tiny_model_dir), options=EngineOptions(dtype="float32"), partial=True)

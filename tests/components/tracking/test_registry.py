@@ -40,8 +40,8 @@ def logged(tmp_path, seed: int) -> tuple[str, str]:
 
 
 def greedy(path) -> list[str]:
-    from components.rollout.base import SamplingParams
     from components.rollout.worker import RolloutWorker
+    from components.settings import SamplingParams
     from tests.conftest import arith_rows
 
     worker = RolloutWorker(str(path))

@@ -2,10 +2,9 @@
 
 import torch
 
-from components.algorithms.losses import PolicyLossParams
 from components.batch import Batch
-from components.training.actor import PolicyTrainer, UpdateSettings
-from components.training.loop import LoopSettings
+from components.settings import LoopSettings, PolicyLossParams, UpdateSettings
+from components.training.actor import PolicyTrainer
 from tests.conftest import make_model
 
 

@@ -10,7 +10,7 @@ import torch
 from components.data.formats import make_row
 from components.errors import ConfigError
 from components.plan import make_plan
-from components.rollout.base import SamplingParams
+from components.settings import SamplingParams
 from components.training.ray_workers import start_workers, stop_workers
 from tests.components.training.test_actor import synthetic_batch
 from tests.components.training.test_distributed import config

@@ -3,8 +3,8 @@
 import torch
 
 from components.batch import Batch
+from components.settings import LoopSettings
 from components.training.critic import CriticTrainer, ValueModel
-from components.training.loop import LoopSettings
 from tests.components.training.test_actor import synthetic_batch
 from tests.conftest import make_model
 
