@@ -6,6 +6,7 @@ Workers and orchestration call these; none of them touches Ray, Prefect or MLflo
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,28 +73,30 @@ def _stats(name: str, x: torch.Tensor) -> dict[str, float]:
 Score = Callable[[list[str], list[str], list[str], list[dict]], tuple[list[float], list[bool], dict]]
 
 
-def add_rewards(
+@dataclass
+class Scored:
+    """A rollout's scores: `scores` (N,) the reward before shaping (invalid rows 0), `valid` per row, and the
+    reward/* metrics of the scoring."""
+
+    scores: torch.Tensor
+    valid: list[bool]
+    metrics: dict[str, float]
+
+
+def score_responses(
     batch: Batch,
     texts: list[str],
-    settings: RewardSettings,
     score: Score,
-    baseline_texts: list[str] | None = None,
+    settings: RewardSettings,
     model_scores: list[float] | None = None,
-) -> tuple[Batch, dict[str, float]]:
-    """Score each response; the sequence reward sits on its last response token (token_rewards (N, R)).
-
-    `score(texts, truths, sources, extras)` -> (scores, valid, sub-scores): the training flow's scores in the
-    RewardScorer actor. settings.overlong = (max_len, buffer_len, factor) adds DAPO's overlong penalty to the
-    reward (not to `scores`) when buffer_len > 0. baseline_texts, one greedy completion per row (repeated over
-    the n samples of a prompt), are scored once per prompt into `baseline_values` (N, R) for remax. Rows whose
-    score is invalid get valid = False; more than settings.max_invalid_frac of them is a RewardError.
-    model_scores (a reward model's, one per row) are mixed in: score = rule_weight x rule score + model_weight x
-    model score. Scorers' named sub-scores are logged as reward/<name>/mean.
-    """
-    nt, n = batch.non_tensors, batch.meta.get("n", 1)
+) -> Scored:
+    """Each response scored by its row's scorer (`score(texts, truths, sources, extras)` -> (scores, valid,
+    sub-scores): the RewardGroup's actor in a run), mixed with a reward model's scores when given:
+    score = rule_weight x rule score + model_weight x model score. A row whose score (or model score) is not
+    a usable number is invalid; more of them than settings.max_invalid_frac is a RewardError. Scorers' named
+    sub-scores are logged as reward/<name>/mean."""
+    nt = batch.non_tensors
     scores, valid, subs = score(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"])
-    mask = batch.tensors["response_mask"]
-    lengths = mask.sum(-1)
     s = torch.tensor(scores, dtype=torch.float32)
     metrics = {f"reward/{name}/mean": float(torch.tensor(v).nanmean()) for name, v in subs.items()}
     if model_scores is not None:
@@ -104,7 +107,6 @@ def add_rewards(
         learned = torch.tensor([m if usable_reward(m) else 0.0 for m in model_scores], dtype=torch.float32)
         metrics.update({**_stats("reward/rule_score", s), **_stats("reward/model_score", learned)})
         s = settings.rule_weight * s + settings.model_weight * learned
-    rewards = s
     invalid = len(valid) - sum(valid)
     limit = settings.max_invalid_frac
     if invalid > limit * len(valid):
@@ -116,15 +118,53 @@ def add_rewards(
             "them would learn nothing. Fix the reward function (custom_reward_function or the "
             "data_source's scorer), or raise reward.max_invalid_frac."
         )
-    metrics.update(
-        {
-            **_stats("critic/score", s),
-            "reward/invalid_count": float(invalid),
-            **_stats("response_length", lengths.float()),
-            "prompt_length/mean": float(batch.tensors["prompt_mask"].sum(-1).float().mean()),
-        }
+    metrics.update({**_stats("critic/score", s), "reward/invalid_count": float(invalid)})
+    return Scored(s, list(valid), metrics)
+
+
+def score_baseline(batch: Batch, baseline_texts: list[str], score: Score) -> torch.Tensor:
+    """remax: the greedy completion of each prompt (repeated over its n samples in `baseline_texts`), scored
+    once per prompt; (N,), each row its prompt's baseline score."""
+    nt, n = batch.non_tensors, batch.meta.get("n", 1)
+    per_prompt, _, _ = score(
+        baseline_texts[::n], nt["ground_truth"][::n], nt["data_source"][::n], nt["extra_info"][::n]
     )
+    return torch.tensor(per_prompt, dtype=torch.float32).repeat_interleave(n)
+
+
+def place_rewards(
+    batch: Batch, scored: Scored, settings: RewardSettings, baseline: torch.Tensor | None = None
+) -> tuple[Batch, dict[str, float]]:
+    """The sequence reward on each response's last model token (token_rewards (N, R); tool turns may follow
+    it): the score plus DAPO's overlong penalty when settings.overlong's buffer is > 0. A remax `baseline`
+    (N,) becomes baseline_values (N, R)."""
+    mask = batch.tensors["response_mask"]
+    rewards, metrics, extra = scored.scores, {}, {}
+    if settings.overlong[1] > 0:
+        penalty = overlong_penalty(mask.sum(-1), *settings.overlong)
+        rewards = scored.scores + penalty
+        metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+    if baseline is not None:
+        extra["baseline_values"] = baseline[:, None] * mask
+        metrics["reward/greedy_baseline_mean"] = float(baseline.mean())
+    token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
+    last = (torch.arange(1, mask.shape[1] + 1) * mask).argmax(-1)
+    token_rewards[torch.arange(len(rewards)), last] = rewards
+    metrics.update(_stats("critic/rewards", rewards))
+    placed = batch.union(
+        token_rewards=token_rewards, scores=scored.scores, valid=torch.tensor(scored.valid), **extra
+    )
+    return placed, metrics
+
+
+def rollout_metrics(batch: Batch) -> dict[str, float]:
+    """What a rollout looked like: response and prompt lengths, engines restarted on the way, and a
+    multi-turn rollout's turns and tool calls."""
     t = batch.tensors
+    metrics = {
+        **_stats("response_length", t["response_mask"].sum(-1).float()),
+        "prompt_length/mean": float(t["prompt_mask"].sum(-1).float().mean()),
+    }
     if "engine_restarts" in batch.meta:  # engines restarted during this rollout (health checks, deaths)
         metrics["rollout/engine_restarts"] = float(batch.meta["engine_restarts"])
     if "num_turns" in t:  # multi-turn rollouts
@@ -137,25 +177,7 @@ def add_rewards(
                 "tool_errors/mean": float(t["tool_errors"].mean()),
             }
         )
-    extra: dict[str, torch.Tensor] = {}
-    if settings.overlong[1] > 0:
-        penalty = overlong_penalty(lengths, *settings.overlong)
-        rewards = s + penalty
-        metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
-    if baseline_texts is not None:
-        per_prompt, _, _ = score(
-            baseline_texts[::n], nt["ground_truth"][::n], nt["data_source"][::n], nt["extra_info"][::n]
-        )
-        base = torch.tensor(per_prompt, dtype=torch.float32).repeat_interleave(n)
-        extra["baseline_values"] = base[:, None] * mask
-        metrics["reward/greedy_baseline_mean"] = float(base.mean())
-    token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
-    last = (torch.arange(1, mask.shape[1] + 1) * mask).argmax(
-        -1
-    )  # the last model token (tool turns may follow)
-    token_rewards[torch.arange(len(scores)), last] = rewards
-    metrics.update(_stats("critic/rewards", rewards))
-    return batch.union(token_rewards=token_rewards, scores=s, valid=torch.tensor(valid), **extra), metrics
+    return metrics
 
 
 def add_advantages(

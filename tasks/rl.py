@@ -3,6 +3,7 @@ typed handles of `Workers` (components/training/ray_workers.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from components.algorithms.shaping import group_counts
@@ -14,12 +15,16 @@ from components.models.loading import check_model_dir, load_image_encoder, load_
 from components.plan import RunPlan
 from components.rewards.custom import check_custom_reward
 from components.rl import (
+    Score,
     add_advantages,
-    add_rewards,
     concat_rounds,
     decode_responses,
     first_groups,
     informative_rows,
+    place_rewards,
+    rollout_metrics,
+    score_baseline,
+    score_responses,
 )
 from components.services import check_services
 from components.training import ray_workers
@@ -78,6 +83,27 @@ def start_workers(plan: RunPlan) -> Workers:
     return ray_workers.start_workers(plan)
 
 
+class StartingWorkers:
+    """The workers' start (the start-workers task), submitted as the flow begins: the actors' processes import
+    torch and load the model while the driver checks the inputs, loads the data and opens the MLflow run
+    (~2 s of a ~6 s start on 2 cores). The run takes them; drop() stops them when none does."""
+
+    def __init__(self, plan: RunPlan):
+        ray_workers.ensure_ray()  # here: Ray's init must run in the main thread; the actors start in the task's
+        self.future, self.taken = start_workers.submit(plan), False
+
+    def take(self) -> Workers:
+        self.taken = True
+        return self.future.result()
+
+    def drop(self) -> None:
+        if not self.taken:
+            self.taken = True
+            # a start that failed: the error that ended the run is the one reported
+            with contextlib.suppress(Exception):
+                self.future.result().stop()
+
+
 def _engine_seeds(workers: Workers, seed: int) -> list[int]:
     engines = len(workers.rollout.engines())
     return [seed] if engines == 1 else [derive_seed(seed, "engine", k) for k in range(engines)]
@@ -105,36 +131,34 @@ def generate_rollouts(
     return batch
 
 
-def scorer(plan: RunPlan, scorers: dict):
-    """The one scoring path, for training rewards and held-out evaluation: the RewardScorer actor, bounded by
-    trainer.stage_timeout_s. (texts, truths, sources, extras) -> (scores, valid, sub-scores)."""
-
-    def score(texts, truths, sources, extras):
-        return ray_workers.score_in_worker(
-            texts, truths, sources, extras, scorers, plan.rewards.concurrency, plan.placement.stage_timeout_s
-        )
-
-    return score
+def scorer(workers: Workers, scorers: dict) -> Score:
+    """The one scoring path, for training rewards and held-out evaluation: the reward group's actor, bounded
+    by trainer.stage_timeout_s. (texts, truths, sources, extras) -> (scores, valid, sub-scores)."""
+    return lambda texts, truths, sources, extras: workers.rewards.score(
+        texts, truths, sources, extras, scorers
+    )
 
 
 @stage(name="reward")
 def score_rewards(
     batch: Batch, tokenizer, plan: RunPlan, workers: Workers, scorers: dict
 ) -> tuple[Batch, dict[str, float]]:
-    """Decode responses and score them with the scorer of each row's data_source (plus DAPO's overlong
-    penalty, and the greedy baseline's score for remax); with reward_model.path, the reward model's actor
-    scores prompt + response too and the two are mixed by reward_model.rule_weight / model_weight."""
-    baseline = (
-        decode_responses(tokenizer, batch, "baseline_responses", "baseline_mask")
-        if "baseline_responses" in batch.tensors
-        else None
-    )
+    """Decode the responses, score them (each row by its data_source's scorer; with reward_model.path, mixed
+    with the reward model's scores), and place the rewards on their tokens (with DAPO's overlong penalty,
+    and remax's greedy baseline scored too)."""
+    score = scorer(workers, scorers)
     texts = decode_responses(tokenizer, batch)
     model_scores = None
     if workers.reward_model is not None:
         prompts = decode_responses(tokenizer, batch, "prompts", "prompt_mask", skip_special_tokens=False)
         model_scores = workers.reward_model.score(prompts, texts)
-    return add_rewards(batch, texts, plan.rewards, scorer(plan, scorers), baseline, model_scores)
+    scored = score_responses(batch, texts, score, plan.rewards, model_scores)
+    baseline = None
+    if "baseline_responses" in batch.tensors:
+        greedy = decode_responses(tokenizer, batch, "baseline_responses", "baseline_mask")
+        baseline = score_baseline(batch, greedy, score)
+    batch, placed = place_rewards(batch, scored, plan.rewards, baseline)
+    return batch, {**scored.metrics, **placed, **rollout_metrics(batch)}
 
 
 @stage(name="dynamic-sampling")
@@ -236,7 +260,7 @@ def evaluate_policy(
     return evaluate(
         generate,
         lambda batch: decode_responses(tokenizer, batch),
-        scorer(plan, scorers),
+        scorer(workers, scorers),
         rows,
         e.k,
         e.max_new_tokens,

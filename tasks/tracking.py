@@ -4,15 +4,22 @@ model."""
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 
+from components.algorithms.shaping import KLController
 from components.batch import Batch
 from components.config import Config, fingerprint
 from components.config.loader import training_keys
 from components.data.io import write_atomic
+from components.data.sampler import PromptSampler
 from components.env import dvc_experiment
 from components.lineage import file_md5, model_digest, verify_tracked
-from components.outputs import MODEL
+from components.outputs import MODEL, TRAIN_OUTPUT, claim_output
+from components.plan import RunPlan
+from components.rewards.registry import scorers_for
+from components.rollout.ahead import AheadQueue
+from components.run import Run
 from components.tracking import checkpoints, runs
 from components.tracking.mlflow_tracker import Tracker, dataset_input, git_commit
 from components.tracking.plots import plot_metrics, reward_curve, write_dvc_plots
@@ -292,3 +299,28 @@ def finalize(
 def finished_run_info(cfg: Config) -> dict:
     """run.json of this configuration's newest finished run (for evaluation)."""
     return runs.read_info(runs.finished_run(cfg.trainer.output_dir, run_fingerprint(cfg).digest))
+
+
+def open_run(cfg: Config, plan: RunPlan, tokenizer, rows: tuple, pipeline: str, version: str) -> Run:
+    """What this training continues (refusing, before anything is written, when there is nothing to train),
+    its output directory and its MLflow run, named after what ran (the pipeline or the DVC experiment), the
+    preset, the run's fingerprint and when."""
+    t, (train_rows, eval_rows) = cfg.trainer, rows
+    fingerprint = run_fingerprint(cfg)  # config, data, models, reward: what a checkpoint must match to resume
+    resume = plan_resume(cfg, fingerprint)
+    claim_output(t.output_dir, "trainer.output_dir", TRAIN_OUTPUT, t.run_dir)
+    label = pipeline or dvc_experiment().get("name") or "train"
+    run_name = f"{label}-{cfg.algorithm.name}-{fingerprint.digest[:10]}-{datetime.now(UTC):%m%d-%H%M}"
+    tracker = start_run(cfg, pipeline, version, run_name, resume, fingerprint, plan.params)
+    return Run(
+        *(cfg, plan, tokenizer, train_rows, eval_rows),
+        scorers=scorers_for([r["data_source"] for r in train_rows + eval_rows], cfg),
+        resume=resume,
+        fingerprint=fingerprint,
+        tracker=tracker,
+        sampler=PromptSampler(len(train_rows), plan.batch_size, plan.shuffle, plan.seed),
+        kl_ctrl=KLController(*plan.kl_in_reward) if plan.kl_in_reward else None,
+        ahead=AheadQueue(plan.ahead, plan.iterations),
+        checkpoint=str(resume.checkpoint) if resume.checkpoint else None,
+        state=resume.state,
+    )

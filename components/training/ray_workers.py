@@ -4,7 +4,10 @@
   batch as the update needs, wait for every rank, and answer rank 0's result.
 - RolloutGroup: the rollout engines (an EnginePool of actors, or policy worker 0 when colocated): sampling
   with a weights version, pushing weights, health checks.
-- ReferenceActor, RewardModelActor, and score_in_worker (the RewardScorer actor).
+- RewardGroup: the RewardScorer actor (the reward functions); ReferenceActor, RewardModelActor.
+
+The groups reach their actors through a transport (components/training/transport.py): Ray in every run, or
+the same worker objects in this process (components/training/local_workers.py) for fast tests of the flow.
 
 Every call is bounded by trainer.stage_timeout_s: a call that hangs gets its actors' whole process trees
 killed and raises StageTimeout, a transient failure the flow recovers from by rebuilding the group
@@ -14,19 +17,28 @@ killed and raises StageTimeout, a transient failure the flow recovers from by re
 from __future__ import annotations
 
 import logging
-import os
 
 import ray
 import torch
 
 from components.batch import Batch
+from components.errors import ReinforgeError, RewardError
 from components.plan import RunPlan
+from components.rewards.scorer import RewardScorer
 from components.rollout.pool import FAILURES, EnginePool
 from components.rollout.worker import RolloutWorker
-from components.settings import Placement, PolicySettings, ReferenceSettings, RolloutSettings, SamplingParams
+from components.settings import (
+    Placement,
+    PolicySettings,
+    ReferenceSettings,
+    RewardSettings,
+    RolloutSettings,
+    SamplingParams,
+)
 from components.training.cluster import ensure_ray
 from components.training.distributed import GroupSpec
 from components.training.loop import balanced_shards
+from components.training.transport import RAY, kill_tree
 from components.training.worker import ColocatedWorker, PolicyWorker, ReferenceWorker
 
 UPDATES = "updates"  # a rollout actor's Ray concurrency group for weight updates (partial rollouts)
@@ -36,43 +48,20 @@ class StageTimeout(TimeoutError):
     """A worker call ran past trainer.stage_timeout_s; its process tree was killed."""
 
 
-def kill_tree(pid: int | None) -> None:
-    """SIGKILL a process and every process it started (children first), and reap them."""
-    import psutil
-
-    if pid is None or not psutil.pid_exists(pid):
-        return
-    root = psutil.Process(pid)
-    procs = root.children(recursive=True) + [root]
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
-
-
-def kill_actors(actors: list) -> None:
-    for actor in actors:
-        try:
-            ray.kill(actor, no_restart=True)
-        except ValueError:  # not an actor handle any more: nothing to kill
-            pass
-
-
 class Actors:
     """Calls on a set of actors, waited for at most `timeout_s`; a call that hangs past it gets the actors'
     process trees killed and raises StageTimeout naming the role and the call."""
 
     role = "worker"
 
-    def __init__(self, actors: list, pids: list[int], timeout_s: float):
+    def __init__(self, actors: list, pids: list[int], timeout_s: float, transport=RAY):
         self.actors, self.pids, self.timeout_s = list(actors), list(pids), timeout_s
+        self.transport = transport
 
     def wait(self, refs: list, what: str) -> list:
         try:
-            return ray.get(refs, timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
+            return self.transport.get(refs, self.timeout_s)
+        except self.transport.timeout_error:
             for pid in self.pids:
                 kill_tree(pid)
             raise StageTimeout(
@@ -83,10 +72,10 @@ class Actors:
 
     def refresh_pids(self) -> None:
         """After Ray restarted an actor, its process is a new one."""
-        self.pids = ray.get([a.pid.remote() for a in self.actors])
+        self.pids = self.transport.pids(self.actors)
 
     def stop(self) -> None:
-        kill_actors(self.actors)
+        self.transport.kill(self.actors, self.pids)
 
 
 def _join_prepared(results: list, shards: list[list[int]]) -> tuple[Batch, dict[str, float]]:
@@ -103,8 +92,8 @@ class PolicyGroup(Actors):
 
     role = "policy"
 
-    def __init__(self, actors: list, pids: list[int], timeout_s: float, replica_size: int = 1):
-        super().__init__(actors, pids, timeout_s)
+    def __init__(self, actors: list, pids: list[int], timeout_s: float, replica_size: int = 1, transport=RAY):
+        super().__init__(actors, pids, timeout_s, transport)
         self.replica_size = replica_size  # consecutive ranks that split one replica (tensor x pipeline)
 
     def _all(self, what: str, call) -> list:
@@ -118,7 +107,11 @@ class PolicyGroup(Actors):
             return self._all("prepare", lambda a: a.prepare.remote(batch))[0]
         tp = self.replica_size
         shards = balanced_shards(batch, len(self.actors) // tp)
-        parts = [ray.put(batch.select(s)) for s in shards] if tp > 1 else [batch.select(s) for s in shards]
+        parts = (
+            [self.transport.put(batch.select(s)) for s in shards]
+            if tp > 1
+            else [batch.select(s) for s in shards]
+        )
         results = self.wait(
             [a.prepare.remote(parts[rank // tp]) for rank, a in enumerate(self.actors)], "prepare"
         )
@@ -126,7 +119,7 @@ class PolicyGroup(Actors):
 
     def _whole(self, batch: Batch):
         """The batch once in the object store for several workers (each takes its share of every mini-batch)."""
-        return ray.put(batch) if len(self.actors) > 1 else batch
+        return self.transport.put(batch) if len(self.actors) > 1 else batch
 
     def update(self, batch: Batch) -> dict[str, float]:
         whole = self._whole(batch)
@@ -177,14 +170,13 @@ class RolloutGroup(Actors):
         pool: EnginePool | None = None,
         health_check: bool = False,
         mid_rollout: bool = False,
+        colocated: bool = False,
+        transport=RAY,
     ):
-        super().__init__(actors, pids, timeout_s)
+        super().__init__(actors, pids, timeout_s, transport)
         self.pool, self.health = pool, health_check
         self.mid_rollout = mid_rollout  # partial rollouts: updates land mid-rollout
-
-    @property
-    def colocated(self) -> bool:
-        return self.pool is None
+        self.colocated = colocated  # the engine is policy worker 0's own module: only versions move
 
     def engines(self) -> list:
         return self.pool.actors if self.pool is not None else self.actors
@@ -206,7 +198,7 @@ class RolloutGroup(Actors):
         """params.n samples per row with weights `version` (each engine refuses other weights): on one engine,
         or split across the pool by prompt length (`seeds`, one per engine; a dead engine is restarted and its
         share retried)."""
-        if self.pool is None:  # colocated: the engine is the policy's own module, never stale
+        if self.pool is None:  # one engine: colocated (the policy's own module), or in this process
             return self.wait(
                 [self.actors[0].generate.remote(rows, params, seed, iteration, version, greedy)], "generate"
             )[0]
@@ -260,6 +252,43 @@ class RewardModelActor(Actors):
         return self.wait([self.actors[0].score.remote(prompts, responses)], "score")[0]
 
 
+class RewardGroup(Actors):
+    """The RewardScorer actor: the reward functions in a process of their own, so a scorer that hangs is killed
+    with its whole process tree and one that kills its process is retried on a restarted actor (Ray's
+    max_restarts and max_task_retries: same inputs, same rewards)."""
+
+    role = "reward"
+
+    def __init__(self, actors: list, pids: list[int], timeout_s: float, concurrency: int = 2, transport=RAY):
+        super().__init__(actors, pids, timeout_s, transport)
+        self.concurrency = concurrency  # sandbox.concurrency: sandboxed scorers at once
+
+    def score(
+        self, texts: list[str], truths: list, sources: list[str], extras: list[dict], scorers: dict
+    ) -> tuple[list[float], list[bool], dict]:
+        """(scores, valid, sub-scores) of each response by its row's scorer (`scorers`: data_source -> scorer,
+        resolved in the driver, shipped with the call). A scorer that raises fails at once, naming the
+        sample; one that runs past trainer.stage_timeout_s stops the run (a retry would hang again)."""
+        from components.rewards.registry import scorer_name
+
+        call = self.actors[0].score.remote(texts, truths, sources, extras, scorers, self.concurrency)
+        try:
+            return self.wait([call], "score")[0]
+        except StageTimeout:
+            self.stop()
+            names = ", ".join(sorted({scorer_name(f) for f in scorers.values()}))
+            raise RewardError(
+                f"scoring {len(texts)} responses with {names} did not finish within "
+                f"trainer.stage_timeout_s={self.timeout_s:g} s; the scorer's process and every process it "
+                "started were killed. Make the reward function faster, or raise "
+                "trainer.stage_timeout_s."
+            ) from None
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, ReinforgeError):  # our message, not Ray's wrapper around it
+                raise exc.cause from None
+            raise
+
+
 class Workers:
     """The actors a training run keeps across iterations."""
 
@@ -267,15 +296,12 @@ class Workers:
         self,
         policy: PolicyGroup,
         rollout: RolloutGroup,
+        rewards: RewardGroup,
         reference: ReferenceActor | None = None,
         reward_model: RewardModelActor | None = None,
     ):
-        self.policy, self.rollout, self.reference, self.reward_model = (
-            policy,
-            rollout,
-            reference,
-            reward_model,
-        )
+        self.policy, self.rollout, self.rewards = policy, rollout, rewards
+        self.reference, self.reward_model = reference, reward_model
 
     def push_weights(self) -> int:
         """The policy's weights into every engine (colocated: only the version moves); returns the version."""
@@ -321,7 +347,7 @@ class Workers:
 
     def stop(self) -> None:
         extra = [g for g in (self.reference, self.reward_model) if g is not None]
-        for group in [self.policy, *([] if self.rollout.colocated else [self.rollout]), *extra]:
+        for group in [self.policy, *([] if self.rollout.colocated else [self.rollout]), self.rewards, *extra]:
             group.stop()
 
 
@@ -431,7 +457,7 @@ def start_workers(plan: RunPlan) -> Workers:
     colocated = p.colocated(n, plan.rollout.engine_type)
     policy = start_policy_group(plan.policy, p, n, colocated, timeout)
     if colocated:
-        rollout = RolloutGroup(policy.actors[:1], policy.pids[:1], timeout)
+        rollout = RolloutGroup(policy.actors[:1], policy.pids[:1], timeout, colocated=True)
     else:
         engines = [start_engine(plan.rollout, p) for _ in range(p.num_engines)]
         rollout = RolloutGroup(
@@ -447,7 +473,7 @@ def start_workers(plan: RunPlan) -> Workers:
             p.health_check,
             mid_rollout=plan.rollout.partial,
         )
-    workers = Workers(policy, rollout)
+    workers = Workers(policy, rollout, start_reward_group(plan.rewards))
     if plan.reference is not None:
         workers.reference = _start_reference(plan.reference, p, timeout)
     if p.reward_model:
@@ -493,60 +519,9 @@ def rebuild_workers(workers: Workers, plan: RunPlan) -> Workers:
     return start_workers(plan)
 
 
-class RewardScorer:
-    """Scores rewards in a process of its own (a Ray actor), so a scorer that hangs can be killed with its
-    whole process tree and one that kills its process is retried on a restarted actor."""
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def score(self, texts, truths, sources, extras, scorers, concurrency):
-        from components.rewards.registry import score_batch
-
-        return score_batch(texts, truths, sources, extras, scorers, concurrency)
-
-
-_scorer: dict = {}  # the RewardScorer actor of this driver's Ray session (job id -> handle)
-
-
-def _scorer_actor():
-    job = ray.get_runtime_context().get_job_id()
-    if job not in _scorer:
-        _scorer.clear()
-        # a dead process is restarted and the call retried (same inputs, same rewards); an exception is not
-        _scorer[job] = ray.remote(num_cpus=0, max_restarts=3, max_task_retries=3)(RewardScorer).remote()
-    return _scorer[job]
-
-
-def score_in_worker(
-    texts, truths, sources, extras, scorers: dict, concurrency: int = 2, timeout_s: float = 1200.0
-):
-    """score_batch in the RewardScorer actor, bounded by `timeout_s` (trainer.stage_timeout_s): a scorer that
-    kills its process (a segfault, the OOM killer) is retried in a new one with the same inputs, so with the
-    same result; a scorer that raises fails at once, naming the sample; one that runs past the timeout has its
-    process tree killed and stops the run (RewardError: a retry would hang again). `scorers` (data_source ->
-    scorer, resolved in the driver) are shipped with the call."""
-    from components.errors import ReinforgeError, RewardError
-    from components.rewards.registry import scorer_name
-
+def start_reward_group(settings: RewardSettings) -> RewardGroup:
+    """The RewardScorer actor (no CPU of its own: it waits on its scorers, which run in sandboxes or threads).
+    A dead process is restarted and the call retried (same inputs, same rewards); an exception is not."""
     ensure_ray()
-    actor = _scorer_actor()
-    pid = ray.get(actor.pid.remote())
-    ref = actor.score.remote(texts, truths, sources, extras, scorers, concurrency)
-    try:
-        return ray.get(ref, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        kill_tree(pid)
-        ray.kill(actor, no_restart=True)
-        _scorer.clear()
-        names = ", ".join(sorted({scorer_name(f) for f in scorers.values()}))
-        raise RewardError(
-            f"scoring {len(texts)} responses with {names} did not finish within "
-            f"trainer.stage_timeout_s={timeout_s:g} s; the scorer's process and every process it "
-            "started were killed. Make the reward function faster, or raise "
-            "trainer.stage_timeout_s."
-        ) from None
-    except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, ReinforgeError):  # our message, not Ray's wrapper around it
-            raise exc.cause from None
-        raise
+    actor = ray.remote(num_cpus=0, max_restarts=3, max_task_retries=3)(RewardScorer).remote()
+    return RewardGroup([actor], [ray.get(actor.pid.remote())], settings.timeout_s, settings.concurrency)

@@ -11,7 +11,15 @@ from components.batch import Batch
 from components.config import load_config
 from components.config.schema import AlgorithmConfig
 from components.rewards.registry import REWARDS, score_with_config
-from components.rl import add_advantages, add_rewards, concat_rounds, first_groups, informative_rows
+from components.rl import (
+    add_advantages,
+    concat_rounds,
+    first_groups,
+    informative_rows,
+    place_rewards,
+    score_baseline,
+    score_responses,
+)
 from components.settings import RewardSettings
 
 REWARD_CFG = load_config(None)
@@ -22,6 +30,14 @@ ACCEPT_ALL = RewardSettings(overlong=(16, 0, 1.0), max_invalid_frac=1.0)
 def local(texts, truths, sources, extras):
     """Scoring in this process, with the default config's scorers."""
     return score_with_config(texts, truths, sources, extras, REWARD_CFG)
+
+
+def add_rewards(batch, texts, settings, score, baseline_texts=None, model_scores=None):
+    """The reward stage after decoding (tasks/rl.py score_rewards): score, then place."""
+    scored = score_responses(batch, texts, score, settings, model_scores)
+    baseline = score_baseline(batch, baseline_texts, score) if baseline_texts is not None else None
+    batch, placed = place_rewards(batch, scored, settings, baseline)
+    return batch, {**scored.metrics, **placed}
 
 
 @pytest.fixture

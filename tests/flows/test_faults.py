@@ -163,13 +163,13 @@ def test_rollout_and_policy_workers_killed_mid_run(start, whole, monkeypatch):
     root, ov = start
     out = root / "workers_killed"
     scored: list[int] = []
-    real_add_rewards = rl.add_rewards
+    real_score = rl.score_responses
 
     def counting(batch, *a, **kw):
         scored.append(batch.meta["iteration"])
-        return real_add_rewards(batch, *a, **kw)
+        return real_score(batch, *a, **kw)
 
-    monkeypatch.setattr("tasks.rl.add_rewards", counting)
+    monkeypatch.setattr("tasks.rl.score_responses", counting)
     killed: dict[str, int] = {}
 
     def killer():

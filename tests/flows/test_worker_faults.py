@@ -10,11 +10,21 @@ import pytest
 
 from components.config import load_config
 from components.rewards.registry import REWARDS, score_with_config, scorers_for
-from components.training.ray_workers import score_in_worker
+from components.settings import RewardSettings
+from components.training.ray_workers import start_reward_group
 
 CFG = load_config(None)
 TEXTS = ["#### 3", "die", "#### 4", "#### 5"]
 TRUTHS = ["3", "3", "4", "6"]
+
+
+def score_in_worker(texts, truths, sources, extras, scorers):
+    """The run's reward group (the RewardScorer actor) scoring once, then stopped."""
+    rewards = start_reward_group(RewardSettings(overlong=(0, 0, 0.0)))
+    try:
+        return rewards.score(texts, truths, sources, extras, scorers)
+    finally:
+        rewards.stop()
 
 
 def test_scorer_process_death_is_retried_with_identical_results(tmp_path, ray_local):

@@ -138,14 +138,17 @@ def test_custom_reward_function_errors_name_file_and_line(tmp_path, monkeypatch)
 
 def test_custom_reward_function_scores_in_a_ray_worker(tmp_path, monkeypatch, ray_local):
     """Shipped by value: the worker process cannot import the user's file by name."""
-    from components.training.ray_workers import score_in_worker
+    from components.settings import RewardSettings
+    from components.training.ray_workers import start_reward_group
 
     monkeypatch.chdir(tmp_path)
     write(tmp_path / "mine.py", "def compute_score(text, truth, extra):\n    return float(text == truth)\n")
     cfg = load_config(None, ["custom_reward_function.path=mine.py"])
-    scores, valid, _ = score_in_worker(
+    rewards = start_reward_group(RewardSettings(overlong=(0, 0, 0.0)))
+    scores, valid, _ = rewards.score(
         ["1", "2"], ["1", "1"], ["arith"] * 2, [{}, {}], scorers_for(["arith"], cfg)
     )
+    rewards.stop()
     assert scores == [1.0, 0.0] and valid == [True, True]
 
 

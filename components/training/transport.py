@@ -1,0 +1,98 @@
+"""How the driver reaches its workers: Ray actors (every run), or the very same worker objects in this process
+(`LocalActor`), so the flow's logic (staleness, dynamic sampling, rebuilds) runs through the same typed groups
+in a test that takes seconds.
+
+A transport answers four questions the groups ask: wait for these calls, put a value where every worker can
+read it, stop these actors, and which processes they run in.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+
+def kill_tree(pid: int | None) -> None:
+    """SIGKILL a process and every process it started (children first), and reap them."""
+    import psutil
+
+    if pid is None or not psutil.pid_exists(pid) or pid == os.getpid():
+        return
+    root = psutil.Process(pid)
+    procs = root.children(recursive=True) + [root]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+class RayTransport:
+    """Ray actors: calls are object refs, waited for with a timeout; a hung call's processes are killed."""
+
+    timeout_error = ray.exceptions.GetTimeoutError
+
+    def get(self, refs: list, timeout_s: float | None) -> list:
+        return ray.get(refs, timeout=timeout_s)
+
+    def put(self, value):
+        return ray.put(value)
+
+    def pids(self, actors: list) -> list[int]:
+        return ray.get([a.pid.remote() for a in actors])
+
+    def kill(self, actors: list, pids: list[int]) -> None:
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except ValueError:  # not an actor handle any more: nothing to kill
+                pass
+
+
+class _Never(Exception):
+    """No call of the local transport times out: each runs to its end when made."""
+
+
+class LocalTransport:
+    """Worker objects in this process: a call runs when it is made, and its result is its own reference."""
+
+    timeout_error = _Never
+
+    def get(self, refs: list, timeout_s: float | None) -> list:
+        return list(refs)
+
+    def put(self, value):
+        return value
+
+    def pids(self, actors: list) -> list[int]:
+        return [os.getpid()] * len(actors)
+
+    def kill(self, actors: list, pids: list[int]) -> None:
+        pass
+
+
+RAY, LOCAL = RayTransport(), LocalTransport()
+
+
+class LocalActor:
+    """A worker object called as a Ray actor is (`actor.method.remote(...)`, `.options(...)`), in this
+    process: the call runs at once and answers its result."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __getattr__(self, name: str) -> _LocalMethod:
+        return _LocalMethod(getattr(self.obj, name))
+
+
+class _LocalMethod:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def options(self, **_: object) -> _LocalMethod:  # Ray's placement and concurrency options: none here
+        return self
+
+    def remote(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
