@@ -9,8 +9,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from components.config import load_config
 from components.errors import ConfigError
+from components.validate import load_checked
 
 
 def laughs(levels: int, width: int = 9) -> str:
@@ -29,8 +29,8 @@ def seconds(fn, reps: int = 5) -> float:
 
 
 def main() -> None:
-    load_config("configs/arith_grpo.yaml")  # imports out of the timing
-    print(f"configs/arith_grpo.yaml: {seconds(lambda: load_config('configs/arith_grpo.yaml')) * 1e3:.1f} ms")
+    load_checked("configs/arith_grpo.yaml")  # imports out of the timing
+    print(f"configs/arith_grpo.yaml: {seconds(lambda: load_checked('configs/arith_grpo.yaml')) * 1e3:.1f} ms")
     with tempfile.TemporaryDirectory() as tmp:
         for levels in (9, 30):
             path = Path(tmp) / f"laughs{levels}.yaml"
@@ -38,7 +38,7 @@ def main() -> None:
 
             def refused(p=path) -> None:
                 try:
-                    load_config(p)
+                    load_checked(p)
                 except ConfigError:
                     return
                 raise SystemExit(f"{p} was not refused")

@@ -24,10 +24,10 @@ import torch
 
 from bench.memory import PeakSampler, rss_of
 from components.batch import Batch
-from components.config import load_config
 from components.data.io import write_json
 from components.models import build_char_tokenizer, build_tiny_model, save_pretrained
 from components.training.loop import micro_batches, padded_tokens
+from components.validate import load_checked
 
 
 def mixed_batch(vocab: int, rows: int, prompt_len: int, max_resp: int, seed: int = 0) -> Batch:
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         if (a.only and not any(o in name for o in a.only)) or (a.skip and any(o in name for o in a.skip)):
             continue
         extra = [e.format(budget=budget) for e in extra]
-        cfg = load_config(
+        cfg = load_checked(
             None, base + extra + [f"trainer.num_workers={n}", f"trainer.num_threads={max(1, a.threads // n)}"]
         )
         r = timed_updates(cfg, batch, n, a.repeats)
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     # all-reduce bandwidth between two workers, as measured, and under a simulated 0.05 GB/s link
     comp = {}
     for label, cap in (("measured", None), ("capped 0.05 GB/s", 0.05)):
-        cfg = load_config(
+        cfg = load_checked(
             None,
             base
             + ["trainer.num_workers=2", "trainer.strategy=ddp", "trainer.num_threads=1"]

@@ -25,16 +25,16 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from components.config import load_config
     from components.data.io import read_rows, to_plain
     from components.data.prompts import encode_prompts
     from components.models.loading import load_model, load_tokenizer
     from components.rollout.hf import HFEngine
     from components.settings import PromptSettings, SamplingParams
+    from components.validate import load_checked
 
     torch.set_num_threads(2)
     ensure_models(a.workloads)
-    rows = [to_plain(r) for r in read_rows(load_config(CONFIG, []).data.train_path).to_dict("records")]
+    rows = [to_plain(r) for r in read_rows(load_checked(CONFIG, []).data.train_path).to_dict("records")]
     print(
         "| workload | transformers s/call | lean s/call | lean / transformers | tokens/s transformers / lean |"
     )

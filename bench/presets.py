@@ -15,8 +15,8 @@ import argparse
 import time
 from pathlib import Path
 
-from components.config import load_config
 from components.data.io import write_json
+from components.validate import load_checked
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
         + ([f"trainer.iterations={a.iterations}"] if a.iterations else [])
         + ["trainer.experiment_name=bench-presets", "trainer.resume_mode=disable"]
     )
-    cfg = load_config(a.config, base)
+    cfg = load_checked(a.config, base)
     if not Path(cfg.data.train_path).is_file():
         data_flow(a.config, base)
     if not (Path(cfg.sft.output_dir) / "config.json").is_file():
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         info = train_flow(a.config, ov, f"bench-{name}")
         wall = time.perf_counter() - start
-        final = evaluate_model.fn(info["final_model"], cfg.data.eval_path, load_config(a.config, ov))
+        final = evaluate_model.fn(info["final_model"], cfg.data.eval_path, load_checked(a.config, ov))
         rows.append(
             {
                 "preset": name,

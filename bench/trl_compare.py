@@ -48,10 +48,10 @@ def model_dir(w: str) -> Path:
 
 def ensure_models(workloads: list[str]) -> None:
     """The default data and SFT model (the flows `dvc repro` runs) and, for W2, the wide model."""
-    from components.config import load_config
     from components.models import build_char_tokenizer, build_tiny_model, save_pretrained
+    from components.validate import load_checked
 
-    cfg = load_config(CONFIG, [])
+    cfg = load_checked(CONFIG, [])
     if not Path(cfg.data.train_path).is_file():
         from flows.data import data_flow
 
@@ -78,13 +78,13 @@ def ensure_models(workloads: list[str]) -> None:
 
 def mean_prompt_tokens(w: str) -> float:
     """Prompt tokens per row, averaged over the training data (as both trainers tokenize it)."""
-    from components.config import load_config
     from components.data.io import read_rows, to_plain
     from components.data.prompts import encode_prompts
     from components.models.loading import load_tokenizer
     from components.settings import PromptSettings
+    from components.validate import load_checked
 
-    rows = [to_plain(r) for r in read_rows(load_config(CONFIG, []).data.train_path).to_dict("records")]
+    rows = [to_plain(r) for r in read_rows(load_checked(CONFIG, []).data.train_path).to_dict("records")]
     prompts = [r["prompt"] for r in rows]
     return statistics.mean(map(len, encode_prompts(load_tokenizer(model_dir(w)), prompts, PromptSettings())))
 
@@ -178,15 +178,15 @@ def child_trl(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> d
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from components.config import load_config
     from components.data.io import read_rows, to_plain
     from components.data.prompts import render_prompt
     from components.models.loading import load_tokenizer
     from components.rewards.registry import scorer_for
     from components.settings import PromptSettings
+    from components.validate import load_checked
 
     spec = WORKLOADS[w]
-    cfg = load_config(CONFIG, [])
+    cfg = load_checked(CONFIG, [])
     tok = load_tokenizer(model_dir(w))
     rows = [to_plain(r) for r in read_rows(cfg.data.train_path).to_dict("records")]
     data = Dataset.from_list(
@@ -384,13 +384,13 @@ def matmul_flops(threads: int, size: int = 1024, seconds: float = 2.0) -> float:
 
 
 def evaluate_acc(path: str, n_eval: int, max_new: int) -> float:
-    from components.config import load_config
     from components.data.io import read_rows, to_plain
     from components.evaluation import evaluate
     from components.rewards.registry import score_with_config
     from components.rollout.worker import RolloutWorker
+    from components.validate import load_checked
 
-    cfg = load_config(CONFIG, [])
+    cfg = load_checked(CONFIG, [])
     rows = [to_plain(r) for r in read_rows(cfg.data.eval_path).to_dict("records")][:n_eval]
     worker = RolloutWorker(path)
     return evaluate(

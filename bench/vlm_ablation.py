@@ -15,9 +15,9 @@ from pathlib import Path
 
 from PIL import Image
 
-from components.config import load_config
 from components.data.formats import row_schema
 from components.data.io import read_rows, to_plain, write_parquet
+from components.validate import load_checked
 
 
 def blanked(eval_path: str, work: Path, size: int) -> str:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model_path", action="append", required=True)
     args = p.parse_args(argv)
     # k = 1 sample: greedy accuracy is the figure; the rows are all checked and kept, as in evaluate
-    cfg = load_config(args.config, ["trainer.eval_k=1"])
+    cfg = load_checked(args.config, ["trainer.eval_k=1"])
     work = Path(".bench-vlm-ablation")
     try:
         blank = blanked(cfg.data.eval_path, work, cfg.data.image_processor.size)

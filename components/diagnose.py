@@ -317,11 +317,11 @@ def fits(path: str, overrides: list[str]) -> list[Check]:
     import psutil
     import torch
 
-    from components.config import load_config
     from components.errors import ReinforgeError
+    from components.validate import load_checked
 
     try:
-        cfg = load_config(path, overrides)
+        cfg = load_checked(path, overrides)
     except ReinforgeError as exc:
         found = " ".join(line.strip() for line in str(exc).splitlines())
         return [Check("config", "fail", found, "fix the keys it names (each line says how)")]

@@ -49,11 +49,11 @@ def report(exc: ReinforgeError, debug: bool = False) -> int:
 def check_config(path: str, overrides: list[str], debug: bool = False) -> int:
     """Validate the config, the custom reward function and the services it names before any flow (or Prefect
     server) starts: 0 when good, 2 with the message."""
-    from components.config import load_config
     from components.rewards.custom import check_custom_reward
+    from components.validate import load_checked
 
     try:
-        cfg = load_config(path, overrides)
+        cfg = load_checked(path, overrides)
         check_custom_reward(cfg)
         check_services(cfg.trainer.connect_timeout_s)
     except ReinforgeError as exc:

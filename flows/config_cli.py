@@ -13,7 +13,7 @@ from flows._args import report
 
 def main(argv: list[str] | None = None) -> int:
     a = parsers.config().parse_args(argv)
-    from components.config.reference import reference_config, resolved_config
+    from components.reference import reference_config, resolved_config
 
     if a.action == "generate":
         text = reference_config()

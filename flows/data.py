@@ -6,7 +6,7 @@ import sys
 
 from prefect import flow
 
-from components.config import load_config
+from components.validate import load_checked
 from flows import parsers
 from flows._args import check_config, run_cli
 from flows._logs import one_line_errors
@@ -28,7 +28,7 @@ def data_flow(
         overrides: config overrides as key=value, e.g. ["algorithm.kl_loss_coef=0.04"].
         steps: which steps run, in order: "prepare", "clean".
     """
-    cfg = load_config(config, overrides or [])
+    cfg = load_checked(config, overrides or [])
     out: dict = {}
     if "prepare" in steps:
         out["raw"] = run_stage(prepare_data, cfg)

@@ -10,11 +10,11 @@ import sys
 
 from prefect import flow
 
-from components.config import load_config
 from components.data.io import write_json
 from components.errors import ConfigError
 from components.progress import progress_bar
 from components.tracking import runs
+from components.validate import load_checked
 from flows import parsers
 from flows._args import check_config, report, run_cli
 from flows._logs import one_line_errors
@@ -37,7 +37,7 @@ def evaluate_flow(
         overrides: config overrides as key=value, e.g. ["algorithm.kl_loss_coef=0.04"].
         output: the JSON file the metrics go to (DVC's metrics file).
     """
-    cfg = load_config(config, overrides or [])
+    cfg = load_checked(config, overrides or [])
     run = finished_run_info(cfg)  # this configuration's newest finished run in trainer.output_dir
     results: dict = {}
     with progress_bar("evaluate", 2, cfg.trainer.progress) as advance:
@@ -65,7 +65,7 @@ def evaluate_one_flow(
 ) -> dict:
     """Held-out accuracy of one model directory (or a training output directory: its last finished run's
     final model) on one data file; with `output`, also written there as JSON."""
-    cfg = load_config(config, overrides or [])
+    cfg = load_checked(config, overrides or [])
     result = run_stage(evaluate_model, str(runs.model_dir(model_path)), eval_data, cfg)
     if output:
         write_json({"model": str(model_path), "eval_data": eval_data, **result}, output)

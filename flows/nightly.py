@@ -16,10 +16,11 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
-from components.config import Config, load_config
+from components.config import Config
 from components.lineage import file_md5
 from components.locking import exclusive, pipeline_lock
 from components.tracking.registry import download_version, register_candidate
+from components.validate import load_checked
 from flows import parsers
 from flows._args import check_config, run_cli
 from flows._logs import one_line_errors
@@ -79,7 +80,7 @@ def nightly_flow(
     # a finished run is trained again; CPU, memory, disk and network use (system/*) are recorded unless the
     # overrides say otherwise (they come after these defaults)
     overrides = ["trainer.log_system_metrics=true", *(overrides or []), "trainer.when_finished=retrain"]
-    cfg = load_config(config, overrides)
+    cfg = load_checked(config, overrides)
     with exclusive(pipeline_lock(cfg.trainer.output_dir), f"pipeline {pipeline}"):
         data_flow(config, overrides)
         if not (Path(cfg.sft.output_dir) / "config.json").is_file():

@@ -6,7 +6,7 @@ import sys
 
 from prefect import flow
 
-from components.config import load_config
+from components.validate import load_checked
 from flows import parsers
 from flows._args import check_config, run_cli
 from flows._logs import one_line_errors
@@ -33,7 +33,7 @@ def reward_model_flow(
         batch_size: preference pairs per step.
         lr: AdamW learning rate.
     """
-    return fit_reward_model(load_config(config, overrides or []), out, steps, batch_size, lr)
+    return fit_reward_model(load_checked(config, overrides or []), out, steps, batch_size, lr)
 
 
 def main(argv: list[str] | None = None) -> int:

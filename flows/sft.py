@@ -6,7 +6,7 @@ import sys
 
 from prefect import flow
 
-from components.config import load_config
+from components.validate import load_checked
 from flows import parsers
 from flows._args import check_config, run_cli
 from flows._logs import one_line_errors
@@ -23,7 +23,7 @@ def sft_flow(config: str = "configs/arith_grpo.yaml", overrides: list[str] | Non
         config: the YAML config file (configs/*.yaml), relative to the project.
         overrides: config overrides as key=value, e.g. ["algorithm.kl_loss_coef=0.04"].
     """
-    return run_stage(run_sft, load_config(config, overrides or []))
+    return run_stage(run_sft, load_checked(config, overrides or []))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from prefect import flow
 
-from components.config import load_config
 from components.locking import exclusive, training_lock
 from components.outputs import TRAIN_OUTPUT, check_output
 from components.plan import make_plan
@@ -26,6 +25,7 @@ from components.run import Run
 from components.services import PrefectWatch
 from components.shutdown import note, on_stop, stopping
 from components.tracking import checkpoints
+from components.validate import load_checked
 from flows import parsers
 from flows._args import check_config, run_cli, yield_prefect_server
 from flows._logs import one_line_errors
@@ -274,7 +274,7 @@ def train_flow(
     """
     started, entered = time.perf_counter(), time.time()
     yield_prefect_server()
-    cfg = load_config(config, overrides or [])
+    cfg = load_checked(config, overrides or [])
     plan = make_plan(cfg)
     starting = StartingWorkers(plan)
     try:

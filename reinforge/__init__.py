@@ -19,17 +19,17 @@ try:
 except PackageNotFoundError:  # a source tree that was never installed: `make install` installs it
     __version__ = "0+unknown"
 
-# public name -> the module that defines it
+# public name -> the module that defines it (and its name there, when another)
 _ENTRY_POINTS = {
     "Config": "components.config",
-    "load_config": "components.config",
+    "load_config": "components.validate:load_checked",  # every rule, the model directories' too
     "make_plan": "components.plan",
     "data_flow": "flows.data",
     "sft_flow": "flows.sft",
     "train_flow": "flows.train",
     "evaluate_flow": "flows.evaluate",
     "nightly_flow": "flows.nightly",
-    "reference_config": "components.config.reference",
+    "reference_config": "components.reference",
 }
 
 __all__ = ["__version__", *_ENTRY_POINTS]
@@ -38,6 +38,7 @@ __all__ = ["__version__", *_ENTRY_POINTS]
 def __getattr__(name: str):
     if name not in _ENTRY_POINTS:
         raise AttributeError(f"module 'reinforge' has no attribute {name!r}; it offers {', '.join(__all__)}")
-    value = getattr(importlib.import_module(_ENTRY_POINTS[name]), name)
+    module, _, attr = _ENTRY_POINTS[name].partition(":")
+    value = getattr(importlib.import_module(module), attr or name)
     globals()[name] = value
     return value

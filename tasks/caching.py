@@ -1,7 +1,7 @@
 """Persisted results for the stages whose work lives in files, so a retried flow run does not redo them.
 
 A stage's cache key is its source and the library's (every .py under components/), the config keys it reads
-(components/stages.py) and the content (md5) of every file it reads; a stage whose output files are missing
+(components/config/stages.py) and the content (md5) of every file it reads; a stage whose output files are missing
 runs again. A retried or crashed-and-rerun flow run
 therefore gets finished stages back from the result store (state `Cached`) without running their bodies,
 and a changed input, config key or stage source runs the stage again. Results are stored as JSON, never

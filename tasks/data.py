@@ -8,6 +8,7 @@ from pathlib import Path
 from prefect import task
 
 from components.config import Config
+from components.config.stages import STAGES
 from components.data.clean import RowRules, clean_file, row_key, validate_file
 from components.data.formats import ROW_SCHEMA, arithmetic_rows, gsm8k_splits, row_schema
 from components.data.images import absolute_images, llava_rows, visual_count_rows
@@ -16,7 +17,6 @@ from components.errors import ConfigError, DataError
 from components.lineage import verify_tracked
 from components.models.loading import load_image_encoder, load_tokenizer
 from components.models.tiny import build_char_tokenizer
-from components.stages import STAGES
 from tasks.caching import StageCache, cached_stage
 from tasks.common import logger, stage
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from prefect import task
 
 from components.config import Config
+from components.config.stages import STAGES
 from components.data.clean import RowRules, validate_file
 from components.data.io import write_json
 from components.evaluation import evaluate
@@ -16,9 +17,8 @@ from components.models.loading import load_image_encoder, load_tokenizer
 from components.plan import make_plan
 from components.rewards.registry import score_batch, scorers_for
 from components.rollout.worker import RolloutWorker
-from components.stages import STAGES
+from components.seeding import derive_seed
 from components.tracking.mlflow_tracker import Tracker, dataset_ref
-from components.training.seeding import derive_seed
 from tasks.caching import StageCache, cached_stage
 from tasks.common import STAGE
 

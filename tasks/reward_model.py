@@ -17,8 +17,8 @@ from components.rewards.reward_model import (
     pair_accuracy,
     train_reward_model,
 )
+from components.seeding import seed_everything
 from components.settings import PromptSettings
-from components.training.seeding import seed_everything
 from tasks.common import logger
 
 

@@ -17,8 +17,6 @@ from components.rewards.custom import check_custom_reward
 from components.rl import (
     Score,
     add_advantages,
-    concat_rounds,
-    decode_responses,
     first_groups,
     informative_rows,
     place_rewards,
@@ -26,10 +24,11 @@ from components.rl import (
     score_baseline,
     score_responses,
 )
+from components.rollout.batching import concat_rounds, decode_responses
+from components.seeding import derive_seed
 from components.services import check_services
 from components.training import ray_workers
 from components.training.ray_workers import Workers
-from components.training.seeding import derive_seed
 from tasks.common import is_transient, logger, stage
 
 

@@ -8,6 +8,7 @@ import torch
 from prefect import task
 
 from components.config import Config
+from components.config.stages import STAGES
 from components.data.clean import RowRules, validate_file
 from components.data.images import ImageEncoder, absolute_images
 from components.errors import DataError
@@ -17,10 +18,9 @@ from components.models.multimodal import compose_policy
 from components.models.tiny import tiny_model_for
 from components.outputs import SFT_MODEL, check_output
 from components.progress import progress_bar
+from components.seeding import seed_everything
 from components.settings import PromptSettings
-from components.stages import STAGES
 from components.training.optim import freeze_vision, param_groups
-from components.training.seeding import seed_everything
 from components.training.sft import SFTExample, encode_examples, train_sft
 from tasks.caching import StageCache, cached_stage
 from tasks.common import logger

@@ -7,13 +7,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from components.config.names import ADAPTER_ENGINES, INTERRUPTIBLE_ENGINES, LORA_RANKS
 from components.errors import ConfigError
-from components.rollout.completions import (
-    ADAPTER_ENGINES,
-    INTERRUPTIBLE_ENGINES,
-    LORA_RANKS,
-    engine_problems,
-)
 
 if TYPE_CHECKING:
     from components.config.schema import Config
@@ -151,8 +146,6 @@ def tensor_parallel_problems(cfg: Config) -> list[str]:
                 "actor.tensor_model_parallel_size=1; set it above 1, or sequence_parallel=false."
             ]
         return []
-    from components.training.tensor_parallel import plan_problems  # torch: only for a TP config
-
     n, problems = t.num_workers, []
     pp = cfg.actor.pipeline_model_parallel_size
     if n % (tp * pp):
@@ -168,10 +161,6 @@ def tensor_parallel_problems(cfg: Config) -> list[str]:
             f"trainer.data_parallel_size={t.data_parallel_size} with actor.tensor_model_parallel_size={tp}: "
             "the data-parallel size is trainer.num_workers / tensor_model_parallel_size; unset it."
         )
-    sp = cfg.actor.sequence_parallel
-    problems += plan_problems(cfg.actor.model.path, tp, sequence_parallel=sp)
-    if cfg.critic.model_path:
-        problems += plan_problems(cfg.critic.model_path, tp, "critic.model_path", sp)
     return problems
 
 
@@ -213,11 +202,7 @@ def lora_config_problems(cfg: Config) -> list[str]:
             f"actor.lora.rank={lora.rank}: vLLM takes adapters of rank {LORA_RANKS[-1]} at most; lower it, or "
             "set engine.lora_merge_on_sync=true."
         )
-    problems += lora_limits(cfg, "actor.lora", lora.rank)
-    from components.models.lora import lora_problems
-    from components.settings import LoraSettings
-
-    return problems + lora_problems(cfg.actor.model.path, LoraSettings.from_config(lora))
+    return problems + lora_limits(cfg, "actor.lora", lora.rank)
 
 
 def lora_limits(cfg: Config, key: str, rank: int) -> list[str]:
@@ -251,12 +236,7 @@ def critic_lora_problems(cfg: Config) -> list[str]:
             f"critic.lora.quantization={lora.quantization}: a quantized critic backbone is not supported in "
             "this version; set critic.lora.quantization=none."
         )
-    problems += lora_limits(cfg, "critic.lora", lora.rank)
-    from components.models.lora import lora_problems
-    from components.settings import LoraSettings
-
-    backbone = cfg.critic.model_path or cfg.actor.model.path
-    return problems + lora_problems(backbone, LoraSettings.from_config(lora), "critic.lora")
+    return problems + lora_limits(cfg, "critic.lora", lora.rank)
 
 
 def async_problems(cfg: Config) -> list[str]:
@@ -336,7 +316,7 @@ def mesh_problems(cfg: Config) -> list[str]:
     ]
 
 
-def pipeline_problems(cfg: Config, needs_critic: bool) -> list[str]:
+def pipeline_problems(cfg: Config) -> list[str]:
     """What this version's pipeline parallelism cannot do yet, and a pipeline deeper than the model."""
     pp, t = cfg.actor.pipeline_model_parallel_size, cfg.trainer
     if pp == 1:
@@ -357,7 +337,6 @@ def pipeline_problems(cfg: Config, needs_critic: bool) -> list[str]:
     unsupported = {
         # the stages pass whole activations between them; sequence parallelism splits them inside a stage
         "actor.sequence_parallel=true": cfg.actor.sequence_parallel,
-        "a critic (adv_estimator gae)": needs_critic,
         "trainer.checkpoint_format=sharded": t.checkpoint_format == "sharded",
         "mixed_precision.enabled": cfg.mixed_precision.enabled,
         "actor.model.type=multimodal": cfg.actor.model.type == "multimodal",
@@ -377,17 +356,10 @@ def pipeline_problems(cfg: Config, needs_critic: bool) -> list[str]:
 
 
 def check_combinations(cfg: Config) -> None:
-    """Raise one ConfigError listing every impossible combination in `cfg`."""
-    from components.algorithms.presets import resolve
-
+    """Raise one ConfigError listing every impossible combination of sections in `cfg` (the rules that need
+    the resolved algorithm, the engine's package or the model directories are components/validate.py's)."""
     problems: list[str] = path_problems(cfg)
-    algo = None
-    try:
-        algo = resolve(cfg.algorithm)
-    except KeyError as exc:
-        problems.append(str(exc.args[0]))
-    problems += engine_problems(cfg.engine.type)
-    problems += mesh_problems(cfg) + pipeline_problems(cfg, bool(algo and algo.needs_critic))
+    problems += mesh_problems(cfg) + pipeline_problems(cfg)
     problems += async_problems(cfg) + lora_config_problems(cfg) + critic_lora_problems(cfg)
     if cfg.trainer.rollout_placement == "colocate" and (
         cfg.engine.type != "hf" or cfg.engine.num_engines > 1
@@ -397,19 +369,6 @@ def check_combinations(cfg: Config) -> None:
             f"(engine.type={cfg.engine.type}, engine.num_engines={cfg.engine.num_engines}). Use "
             "trainer.rollout_placement=separate; to share a GPU with the policy set engine.num_gpus to "
             "a fraction and engine.sleep_during_update=true."
-        )
-    greedy = cfg.engine.temperature == 0 or cfg.engine.top_k == 1
-    if algo is not None and algo.grouped and cfg.engine.n > 1 and greedy:
-        what = "engine.temperature=0" if cfg.engine.temperature == 0 else "engine.top_k=1"
-        problems.append(
-            f"{what} samples greedily: the engine.n={cfg.engine.n} completions of a prompt are identical, so "
-            f"{algo.adv_estimator}'s group advantages are all 0 and nothing would be learned. Sample (e.g. "
-            "engine.temperature=1.0, engine.top_k=0), or use a preset without groups (ppo)."
-        )
-    if algo is not None and (algo.grouped or algo.dynamic_sampling) and cfg.engine.n < 2:
-        what = algo.adv_estimator if algo.grouped else "dynamic sampling"
-        problems.append(
-            f"engine.n={cfg.engine.n}: {what} compares completions of one prompt, so it needs engine.n >= 2."
         )
     responses = cfg.data.batch_size * cfg.engine.n
     replicas = data_parallel_replicas(cfg)
@@ -440,23 +399,11 @@ def check_combinations(cfg: Config) -> None:
             f"{cfg.data.max_prompt_len + mt.max_turns * cfg.engine.max_new_tokens} (tool turns come on "
             "top); raise it or shorten those."
         )
-    if mt.enable and algo is not None and algo.needs_baseline:
-        problems.append(
-            f"multi_turn.enable=true with algorithm.name={cfg.algorithm.name}: its greedy baseline is "
-            "decoded in one turn, not with tools; use grpo, rloo or another estimator without it."
-        )
     if cfg.data.max_prompt_len + cfg.engine.max_new_tokens > cfg.actor.model.max_seq_len:
         problems.append(
             f"actor.model.max_seq_len={cfg.actor.model.max_seq_len} is shorter than "
             f"data.max_prompt_len + engine.max_new_tokens = "
             f"{cfg.data.max_prompt_len + cfg.engine.max_new_tokens}; raise it or shorten those."
         )
-    if cfg.sft.hidden_size % cfg.sft.num_heads:
-        problems.append(
-            f"sft.num_heads={cfg.sft.num_heads} must divide sft.hidden_size={cfg.sft.hidden_size}."
-        )
-    from components.models.multimodal import vision_problems
-
-    problems += vision_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

@@ -214,8 +214,8 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 
 def training_keys(cfg: Config) -> dict[str, Any]:
     """Every flattened key that shapes what training computes: the train stage's keys but its neutral ones
-    (components/stages.py)."""
-    from components.stages import STAGES
+    (components/config/stages.py)."""
+    from components.config.stages import STAGES
 
     return {k: v for k, v in flatten(cfg).items() if STAGES["train"].shapes(k)}
 

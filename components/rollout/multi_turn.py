@@ -13,8 +13,8 @@ import torch
 
 from components.rollout.base import RolloutOutput
 from components.rollout.tools import CALL_CLOSE, TOOLS, ToolError, parse_tool_call
+from components.seeding import derive_seed
 from components.settings import SamplingParams
-from components.training.seeding import derive_seed
 
 _MARK = "\u2063ASSISTANT\u2063"  # a placeholder no real answer contains
 

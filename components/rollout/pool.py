@@ -123,7 +123,7 @@ class EnginePool:
         """RolloutWorker.generate(rows_k, params, seeds[k], *args) on each engine's share of the rows; a share
         whose engine dies (or hangs past timeout_s) is retried on the restarted engine. Shares come back
         joined in row order."""
-        from components.rl import concat_rounds
+        from components.rollout.batching import concat_rounds
 
         shares = split_by_load(lengths, len(self.actors))
         params, rest = args[0], args[1:]

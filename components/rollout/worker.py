@@ -12,9 +12,10 @@ import torch
 from components.batch import Batch
 from components.data.prompts import encode_prompts
 from components.models.loading import load_image_encoder, load_tokenizer
-from components.rl import rollout_batch
 from components.rollout.base import PromptImages, RolloutOutput, continue_samples, make_engine
+from components.rollout.batching import rollout_batch
 from components.rollout.multi_turn import make_tools, multi_turn_generate
+from components.seeding import derive_seed
 from components.settings import (
     EngineOptions,
     LoraSettings,
@@ -23,7 +24,6 @@ from components.settings import (
     RolloutSettings,
     SamplingParams,
 )
-from components.training.seeding import derive_seed
 
 
 class RolloutWorker:
@@ -237,6 +237,6 @@ class RolloutWorker:
         return [self.images.expand(p) for p in prompt_ids], self.images.prompt_images(rows)
 
     def decode(self, batch: Batch) -> list[str]:
-        from components.rl import decode_responses
+        from components.rollout.batching import decode_responses
 
         return decode_responses(self.tokenizer, batch)

@@ -43,7 +43,9 @@ def start_local_workers(plan: RunPlan) -> Workers:
     else:
         engine = RolloutWorker.from_settings(plan.rollout)
         rollout = _group(RolloutGroup, engine, timeout, mid_rollout=plan.rollout.partial)
-    rewards = _group(RewardGroup, RewardScorer(), plan.rewards.timeout_s, concurrency=plan.rewards.concurrency)
+    rewards = _group(
+        RewardGroup, RewardScorer(), plan.rewards.timeout_s, concurrency=plan.rewards.concurrency
+    )
     workers = Workers(policy, rollout, rewards)
     if plan.reference is not None:
         workers.reference = _group(ReferenceActor, ReferenceWorker(plan.reference), timeout)

@@ -26,6 +26,7 @@ from components.models.lora import (
     save_adapter,
 )
 from components.outputs import MODEL
+from components.seeding import seed_everything
 from components.settings import LoraSettings, PolicySettings, ReferenceSettings, UpdateSettings
 from components.tracking import sharded as S
 from components.tracking.checkpoints import load_optimizer, save_optimizer
@@ -34,7 +35,6 @@ from components.training.actor import PolicyTrainer
 from components.training.critic import CriticTrainer, build_value_model
 from components.training.logprobs import batch_logprobs
 from components.training.optim import freeze_vision, make_optimizer, make_scheduler, param_groups
-from components.training.seeding import seed_everything
 
 MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 ADAPTER_DIR = "adapter"  # a LoRA policy's peft adapter directory, inside its (merged) model directory

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from components.config import load_config
 from components.lineage import model_digest
+from components.validate import load_checked
 
 
 def test_model_digest_follows_names_sizes_and_contents_even_of_big_files(tmp_path):
@@ -31,7 +31,7 @@ def test_a_new_sft_model_is_a_new_run(tmp_path):
     sft.mkdir()
     data.write_bytes(b"rows")
     (sft / "config.json").write_text("{}")
-    cfg = load_config(None, ["trainer.run_dir=/", f"actor.model.path={sft}", f"data.train_path={data}"])
+    cfg = load_checked(None, ["trainer.run_dir=/", f"actor.model.path={sft}", f"data.train_path={data}"])
     before = run_fingerprint(cfg)
     (sft / "config.json").write_text('{"vocab_size": 40}')
     after = run_fingerprint(cfg)

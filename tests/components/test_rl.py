@@ -8,21 +8,21 @@ import torch
 
 from components.algorithms.presets import resolve
 from components.batch import Batch
-from components.config import load_config
 from components.config.schema import AlgorithmConfig
 from components.rewards.registry import REWARDS, score_with_config
 from components.rl import (
     add_advantages,
-    concat_rounds,
     first_groups,
     informative_rows,
     place_rewards,
     score_baseline,
     score_responses,
 )
+from components.rollout.batching import concat_rounds
 from components.settings import RewardSettings
+from components.validate import load_checked
 
-REWARD_CFG = load_config(None)
+REWARD_CFG = load_checked(None)
 SETTINGS = RewardSettings(overlong=(16, 0, 1.0))  # no overlong penalty; at most half the rewards invalid
 ACCEPT_ALL = RewardSettings(overlong=(16, 0, 1.0), max_invalid_frac=1.0)
 

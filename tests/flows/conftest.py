@@ -137,3 +137,6 @@ def latest_checkpoint(out) -> str | None:
     found = run_dir(out)
     pointer = found / "checkpoints" / "latest" if found else None
     return pointer.read_text().strip() if pointer is not None and pointer.is_file() else None
+
+
+from tests.flows.local import local_root  # noqa: E402, F401 (a fixture: data and MLflow for in-process runs)

@@ -1,8 +1,9 @@
-"""Asynchronous RL through the real training flow (Prefect, Ray, MLflow): bounded_staleness with
-max_staleness 0 is the synchronous loop exactly; one_step_off samples batch k+1 with the weights from before
-update k (the version each sample carries), overlaps it with the update, and a run that fails after a
-checkpoint resumes to the uninterrupted run's model bit for bit (the rollout sampled ahead, with weights the
-checkpoint does not hold, is in it), and so does a bounded_staleness run with two batches in flight."""
+"""Asynchronous RL end to end, through the real training flow (Prefect, Ray, MLflow): one_step_off samples
+batch k+1 with the weights from before update k, as task runs of their own beside the update; a
+bounded_staleness run with two batches in flight that fails after a checkpoint resumes, in a new run, to the
+uninterrupted run's model bit for bit (the rollouts sampled ahead, with weights no checkpoint holds, are in
+it); LoRA adapters reach an engine in an actor of its own. The loop's logic (staleness 0 is the synchronous
+loop, partial rollouts, rebuilds) is tested in seconds in tests/flows/test_flow_logic.py."""
 
 from __future__ import annotations
 
@@ -58,14 +59,6 @@ def one_step_off(start):
     return train(start, "one_step_off", "trainer.async_mode=one_step_off")
 
 
-def test_bounded_staleness_zero_is_the_synchronous_loop(start):
-    sync = train(start, "sync")
-    bounded = train(start, "bounded0", "trainer.async_mode=bounded_staleness", "trainer.max_staleness=0")
-    assert history(sync, "critic/score/mean") == history(bounded, "critic/score/mean")
-    assert history(bounded, "async/staleness/max") == [0.0] * ITERATIONS
-    assert same_model(sync, bounded)
-
-
 def test_one_step_off_samples_with_the_weights_before_the_update_beside_it(one_step_off):
     # batch 1 with the start's weights (version 0, the policy at 0); batch k+1 with version k-1, while the
     # policy, at version k, updates on batch k
@@ -103,13 +96,6 @@ def fail_then_resume(start, monkeypatch, name: str, at: int, *extra: str) -> dic
     return train(start, name, *extra)
 
 
-def test_a_one_step_off_run_that_fails_resumes_to_the_uninterrupted_model(start, one_step_off, monkeypatch):
-    # checkpoint 1 holds batch 2, sampled ahead with the weights from before update 1
-    resumed = fail_then_resume(start, monkeypatch, "failed", ITERATIONS, "trainer.async_mode=one_step_off")
-    assert history(resumed, "critic/score/mean") == history(one_step_off, "critic/score/mean")
-    assert same_model(one_step_off, resumed)
-
-
 def test_a_bounded_staleness_run_that_fails_resumes_to_the_uninterrupted_model(start, monkeypatch):
     # two batches sampled ahead (max_staleness 2): checkpoint 1 holds batches 2 and 3, the second sampled with
     # weights no checkpoint holds; the resumed run trains on them and ends where the uninterrupted one does
@@ -133,23 +119,3 @@ def test_lora_adapters_reach_an_engine_of_its_own(start):
     assert len(history(info, "critic/score/mean")) == ITERATIONS
     for key in ("rollout_corr/weight_mean", "rollout_corr/weight_max"):
         assert history(info, key) == pytest.approx([1.0] * ITERATIONS, abs=1e-4)
-
-
-def test_bounded_staleness_with_partial_rollouts_trains_within_its_bound(start):
-    # updates go to the engine at once, landing between two decode steps of the rollout in flight (where they
-    # land depends on timing: tests/components/rollout/test_worker.py pins it down); every sample is still
-    # within max_staleness, and those sampled after a mid-rollout update are counted
-    iterations = 3
-    info = train(
-        start,
-        "partial",
-        "trainer.async_mode=bounded_staleness",
-        "trainer.max_staleness=2",
-        "trainer.partial_rollouts=true",
-        f"trainer.iterations={iterations}",
-    )
-    assert len(history(info, "critic/score/mean")) == iterations
-    assert all(s <= 2 for s in history(info, "async/staleness/max"))
-    partial = history(info, "async/partial_samples")
-    assert len(partial) == iterations and all(p >= 0 for p in partial)
-    assert load_model(info["final_model"]) is not None

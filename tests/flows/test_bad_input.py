@@ -8,10 +8,10 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from components.config import load_config
 from components.data.formats import ROW_SCHEMA, arithmetic_rows
 from components.data.io import write_parquet
 from components.errors import ConfigError, DataError
+from components.validate import load_checked
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -46,7 +46,7 @@ def test_reinforge_command_help_and_unknown_subcommand(capsys):
 def test_missing_data_file_names_it(tmp_path, tokenizer):
     from tasks.data import load_datasets
 
-    cfg = load_config(
+    cfg = load_checked(
         "configs/arith_grpo.yaml", [f"data.train_path={tmp_path}/missing.parquet", "trainer.run_dir=/"]
     )
     with pytest.raises(DataError, match=r"data\.train_path: .*missing\.parquet does not exist"):
@@ -73,7 +73,7 @@ def test_malformed_dataset_is_quarantined_and_clean_output_is_whole(tmp_path):
     raw = tmp_path / "raw"
     write_parquet(train + bad, raw / "train.parquet", ROW_SCHEMA)
     write_parquet(test, raw / "test.parquet", ROW_SCHEMA)
-    cfg = load_config(
+    cfg = load_checked(
         "configs/arith_grpo.yaml",
         [
             f"data.raw_dir={raw}",
@@ -114,7 +114,7 @@ def test_paths_leaving_the_run_dir_are_rejected_before_any_io(tmp_path, key, how
     with pytest.raises(
         ConfigError, match=rf"{re.escape(key)}={re.escape(value)}: {reason} outside the run directory"
     ):
-        load_config("configs/arith_grpo.yaml", [f"trainer.run_dir={run}", f"{key}={value}"])
+        load_checked("configs/arith_grpo.yaml", [f"trainer.run_dir={run}", f"{key}={value}"])
     assert not list(outside.iterdir())
 
 

@@ -6,109 +6,13 @@ each on Ray."""
 
 from __future__ import annotations
 
-import os
-import time
-from pathlib import Path
-
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from prefect import flow
 
-from components.config import load_config
-from components.data.formats import row_schema
-from components.data.io import write_parquet
-from components.models.loading import load_model, load_tokenizer
-from components.plan import make_plan
-from components.training.local_workers import start_local_workers
+from components.models.loading import load_model
 from components.training.ray_workers import StageTimeout
-from flows.train import train
-from tasks.tracking import open_run
-from tests.conftest import arith_rows
-
-ITERATIONS = 3
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory, tiny_model_dir, prefect_harness):
-    root = tmp_path_factory.mktemp("flow_logic")
-    rows = arith_rows(24)
-    schema = row_schema("text")
-    write_parquet(rows[:16], root / "train.parquet", schema)
-    write_parquet(rows[16:], root / "test.parquet", schema)
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlruns.db"
-    yield root
-    os.environ.pop("MLFLOW_TRACKING_URI")
-
-
-def overrides(root: Path, name: str, model: Path, *extra: str) -> list[str]:
-    return [
-        f"trainer.run_dir={root}",
-        f"data.train_path={root}/train.parquet",
-        f"data.eval_path={root}/test.parquet",
-        f"data.raw_dir={root}/raw",
-        f"data.quarantine_dir={root}/quarantine",
-        f"sft.output_dir={root}/sft",
-        f"actor.model.path={model}",
-        f"trainer.output_dir={root}/{name}",
-        "data.batch_size=4",
-        "engine.n=4",
-        "engine.max_new_tokens=6",
-        f"trainer.iterations={ITERATIONS}",
-        "trainer.save_interval=1",
-        "trainer.test_interval=100",
-        "trainer.eval_size=4",
-        "trainer.eval_k=1",
-        "trainer.progress=false",
-        "trainer.experiment_name=flow_logic",
-        "actor.optimizer.lr=1e-2",
-        # partial credit for any number: a random model's groups still differ now and then
-        "reward_model.method=flexible",
-        "reward_model.format_score=0.1",
-        *extra,
-    ]
-
-
-class Started:
-    """What train() takes the started workers from (the flow's StartingWorkers, here already started)."""
-
-    def __init__(self, workers):
-        self.workers = workers
-
-    def take(self):
-        return self.workers
-
-
-@flow(name="flow-logic")
-def run_locally(ov: list[str], fail: dict | None = None) -> dict:
-    """The training flow's train() on workers in this process; `fail` = {"iteration": k, "times": n}: the
-    policy update of iteration k raises a transient failure (a hung call killed) its first n times."""
-    cfg = load_config("configs/arith_grpo.yaml", ov)
-    plan = make_plan(cfg)
-    tokenizer = load_tokenizer(cfg.actor.model.path)
-    from tasks.data import load_datasets
-
-    run = open_run(cfg, plan, tokenizer, load_datasets.fn(cfg, tokenizer), "", "")
-    starts: list[int] = []
-
-    def start(plan):
-        workers = start_local_workers(plan)
-        starts.append(1)
-        if fail:
-            real = workers.policy.update
-
-            def update(batch):
-                if run.iteration == fail["iteration"] and fail["times"] > 0:
-                    fail["times"] -= 1
-                    raise StageTimeout("policy worker: update did not finish (injected)")
-                return real(batch)
-
-            workers.policy.update = update
-        return workers
-
-    run.start_workers = start
-    info = train(run, Started(start(plan)), time.perf_counter())
-    return {**info, "starts": len(starts), "history": run.history}
+from tests.flows.local import ITERATIONS, overrides, run_locally
 
 
 def history(info: dict, key: str) -> list[float]:
@@ -123,6 +27,11 @@ def weights(info: dict) -> dict[str, torch.Tensor]:
 def same(a: dict, b: dict) -> bool:
     wa, wb = weights(a), weights(b)
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.fixture(scope="module")
+def root(local_root):
+    return local_root
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +52,7 @@ def test_bounded_staleness_zero_is_the_synchronous_loop(root, tiny_model_dir, sy
     extra = ("trainer.rollout_placement=separate", "trainer.async_mode=bounded_staleness")
     info = run_locally(overrides(root, "stale0", tiny_model_dir, *extra, "trainer.max_staleness=0"))
     assert history(info, "critic/score/mean") == history(sync, "critic/score/mean")
+    assert history(info, "async/staleness/max") == [0.0] * ITERATIONS
     assert same(info, sync)
 
 
@@ -178,6 +88,10 @@ def test_partial_rollouts_stay_within_their_bound(root, tiny_model_dir):
     info = run_locally(overrides(root, "partial", tiny_model_dir, *extra))
     assert max(history(info, "async/staleness/max")) <= 1
     assert len(history(info, "critic/score/mean")) == ITERATIONS
+    # those sampled after an update landed mid-rollout are counted (where it lands depends on timing:
+    # tests/components/rollout/test_worker.py pins it down)
+    partial = history(info, "async/partial_samples")
+    assert len(partial) == ITERATIONS and all(p >= 0 for p in partial)
 
 
 def test_dynamic_sampling_generates_more_rounds_until_the_groups_differ(root, tiny_model_dir):

@@ -84,14 +84,14 @@ def _free_port() -> int:
 UPDATE_ACROSS_NODES = textwrap.dedent("""
     import json, sys
     import ray
-    from components.config import load_config
+    from components.validate import load_checked
     from components.plan import make_plan
     from components.training.ray_workers import ensure_ray, policy_group
     from tests.components.training.test_actor import synthetic_batch
     from components.models import build_char_tokenizer
 
     ensure_ray()  # RAY_ADDRESS: the two-node cluster, our code shipped to it
-    cfg = load_config(None, [f"actor.model.path={sys.argv[1]}", "data.batch_size=2", "engine.n=4",
+    cfg = load_checked(None, [f"actor.model.path={sys.argv[1]}", "data.batch_size=2", "engine.n=4",
                              "trainer.num_workers=2", "trainer.strategy=fsdp", "trainer.num_threads=1"])
     group = policy_group(make_plan(cfg), 2)
     nodes = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())

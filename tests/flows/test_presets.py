@@ -1,5 +1,6 @@
-"""Every `algorithm.name` preset runs the real training flow (Prefect, Ray, MLflow) for a few iterations from
-one shared SFT start without NaN, and logs its algorithm's own metrics."""
+"""Every `algorithm.name` preset runs the training flow's loop (flows/train.py, on workers in this process,
+inside Prefect, logging to MLflow) for an iteration without NaN, and logs its algorithm's own metrics. The
+loop on Ray workers runs end to end in test_train_flow.py."""
 
 from __future__ import annotations
 
@@ -9,9 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from components.algorithms.presets import PRESETS
-from tests.flows.conftest import sft_ready
-
-pytestmark = pytest.mark.slow
+from tests.flows.local import overrides, run_locally
 
 ITERATIONS = 1  # each preset's own path runs in its first iteration
 OWN_METRICS = {
@@ -47,22 +46,11 @@ EXTRA = {  # exercise the KL paths too: in the reward (adaptive) with PPO, in th
 }
 
 
-@pytest.fixture(scope="module")
-def shared_start(tmp_path_factory, prefect_harness, ray_local):
-    root = tmp_path_factory.mktemp("presets")
-    with sft_ready(root, ITERATIONS) as ov:
-        yield root, ov
-
-
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_preset_trains_without_nan(shared_start, preset):
-    from flows.train import train_flow
-
-    root, ov = shared_start
-    info = train_flow(
-        "configs/arith_grpo.yaml",
-        ov + [f"algorithm.name={preset}", f"trainer.output_dir={root}/{preset}"] + EXTRA.get(preset, []),
-    )
+def test_preset_trains_without_nan(local_root, tiny_model_dir, preset):
+    root = local_root
+    extra = [f"algorithm.name={preset}", f"trainer.iterations={ITERATIONS}", *EXTRA.get(preset, [])]
+    info = run_locally(overrides(root, preset, tiny_model_dir, *extra))
     client = MlflowClient(f"sqlite:///{root}/mlruns.db")
     run = client.get_run(info["run_id"])
     assert run.info.status == "FINISHED" and run.data.params["algorithm.name"] == preset

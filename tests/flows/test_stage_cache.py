@@ -22,9 +22,9 @@ def mtimes(*paths: Path) -> list[int]:
 
 
 def test_a_retried_flow_run_takes_finished_stages_from_the_cache(tmp_path, prefect_harness):
-    from components.config import load_config
+    from components.validate import load_checked
 
-    cfg = load_config(CONFIG, small_overrides(tmp_path) + ["sft.steps=5"])
+    cfg = load_checked(CONFIG, small_overrides(tmp_path) + ["sft.steps=5"])
     attempts: list[dict] = []
 
     @flow(retries=1, retry_delay_seconds=0)
@@ -47,10 +47,10 @@ def test_a_retried_flow_run_takes_finished_stages_from_the_cache(tmp_path, prefe
 
 
 def test_changed_inputs_and_deleted_outputs_run_the_stage_again(tmp_path, prefect_harness):
-    from components.config import load_config
+    from components.validate import load_checked
 
     ov = small_overrides(tmp_path)
-    cfg = load_config(CONFIG, ov)
+    cfg = load_checked(CONFIG, ov)
     raw, clean = Path(cfg.data.raw_dir) / "train.parquet", Path(cfg.data.train_path)
 
     @flow
@@ -70,18 +70,18 @@ def test_changed_inputs_and_deleted_outputs_run_the_stage_again(tmp_path, prefec
 
     pq.write_table(pq.read_table(raw).slice(1), raw)  # clean's input edited: clean runs again on it
     assert data(cfg) == ("Cached", "Completed")  # (an output edited in place is DVC's to catch, not a rerun)
-    # a key only clean reads re-runs clean alone (prepare declares the keys it reads: components/stages.py)
-    assert data(load_config(CONFIG, ov + ["data.max_prompt_len=15"])) == ("Cached", "Completed")
-    assert data(load_config(CONFIG, ov + ["data.num_eval=15"])) == ("Completed", "Completed")
+    # a key only clean reads re-runs clean alone (prepare declares the keys it reads: components/config/stages.py)
+    assert data(load_checked(CONFIG, ov + ["data.max_prompt_len=15"])) == ("Cached", "Completed")
+    assert data(load_checked(CONFIG, ov + ["data.num_eval=15"])) == ("Completed", "Completed")
 
 
 @pytest.mark.parametrize("key", ["trainer.seed=1"])
 def test_the_cache_key_names_the_config_the_stage_reads(tmp_path, prefect_harness, key):
-    from components.config import load_config
+    from components.validate import load_checked
 
-    cfg = load_config(CONFIG, small_overrides(tmp_path))
-    other = load_config(CONFIG, small_overrides(tmp_path) + [key])
-    unrelated = load_config(CONFIG, small_overrides(tmp_path) + ["trainer.iterations=9"])
+    cfg = load_checked(CONFIG, small_overrides(tmp_path))
+    other = load_checked(CONFIG, small_overrides(tmp_path) + [key])
+    unrelated = load_checked(CONFIG, small_overrides(tmp_path) + ["trainer.iterations=9"])
 
     @flow
     def prep(cfg) -> str:

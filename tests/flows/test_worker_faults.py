@@ -8,12 +8,12 @@ import os
 
 import pytest
 
-from components.config import load_config
 from components.rewards.registry import REWARDS, score_with_config, scorers_for
 from components.settings import RewardSettings
 from components.training.ray_workers import start_reward_group
+from components.validate import load_checked
 
-CFG = load_config(None)
+CFG = load_checked(None)
 TEXTS = ["#### 3", "die", "#### 4", "#### 5"]
 TRUTHS = ["3", "3", "4", "6"]
 

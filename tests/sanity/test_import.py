@@ -29,7 +29,7 @@ def test_every_public_entry_point_resolves():
 
 
 def test_the_committed_reference_config_is_the_generated_one():
-    from components.config.reference import reference_config
+    from components.reference import reference_config
 
     committed = (ROOT / "configs" / "reference.yaml").read_text()
     assert committed == reference_config(), (
@@ -38,7 +38,7 @@ def test_the_committed_reference_config_is_the_generated_one():
 
 
 def test_config_show_names_where_each_value_came_from():
-    from components.config.reference import resolved_config
+    from components.reference import resolved_config
 
     rows = {
         k: (v, s)

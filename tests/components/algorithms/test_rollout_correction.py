@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from components.algorithms.rollout_correction import ROLLOUT_CORRECTIONS, correct_advantages
-from components.config import load_config
 from components.errors import ConfigError
+from components.validate import load_checked
 
 # two sequences of 3 tokens, the second one token shorter; log w = old - rollout
 OLD = torch.tensor([[0.0, math.log(3.0), -1.0], [math.log(0.25), 0.0, 5.0]])
@@ -55,13 +55,13 @@ def test_equal_log_probs_leave_the_advantages_unchanged():
 
 def test_an_unknown_mode_names_the_key_and_the_valid_ones():
     with pytest.raises(ConfigError, match=r"algorithm\.rollout_correction\.mode=tiss: unknown.*seq_mis"):
-        load_config("configs/arith_grpo.yaml", ["algorithm.rollout_correction.mode=tiss"])
+        load_checked("configs/arith_grpo.yaml", ["algorithm.rollout_correction.mode=tiss"])
     with pytest.raises(ConfigError, match=r"algorithm\.rollout_correction\.cap"):
-        load_config("configs/arith_grpo.yaml", ["algorithm.rollout_correction.cap=0.5"])
+        load_checked("configs/arith_grpo.yaml", ["algorithm.rollout_correction.cap=0.5"])
 
 
 def test_the_correction_makes_the_trainer_compute_old_log_probs():
     from components.plan import make_plan
 
-    plan = make_plan(load_config("configs/arith_grpo.yaml", ["algorithm.rollout_correction.mode=seq_tis"]))
+    plan = make_plan(load_checked("configs/arith_grpo.yaml", ["algorithm.rollout_correction.mode=seq_tis"]))
     assert plan.policy.need_old and plan.algorithm.rollout_correction == "seq_tis"

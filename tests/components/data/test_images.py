@@ -9,12 +9,12 @@ import pytest
 import torch
 from PIL import Image
 
-from components.config import load_config
 from components.data.clean import RowRules, clean_rows
 from components.data.images import IMAGE_TOKEN, draw_count_image, llava_rows, visual_count_rows
 from components.errors import ConfigError
 from components.models.tiny import build_char_tokenizer
 from components.models.vlm import with_image_token
+from components.validate import load_checked
 
 TOK = with_image_token(build_char_tokenizer())
 RULES = RowRules(max_prompt_len=32, image_tokens=16)
@@ -126,7 +126,7 @@ def test_llava_jsonl_import(tmp_path):
 )
 def test_multimodal_config_errors_name_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
-        load_config("configs/arith_grpo.yaml", overrides)
+        load_checked("configs/arith_grpo.yaml", overrides)
 
 
 def test_verl_parquet_with_image_bytes_cleans_and_round_trips(tmp_path):

@@ -10,7 +10,6 @@ import copy
 import pytest
 import torch
 
-from components.config import load_config
 from components.errors import ConfigError
 from components.models.loading import load_model
 from components.models.lora import (
@@ -26,6 +25,7 @@ from components.settings import LoopSettings, LoraSettings, PolicyLossParams, Sa
 from components.training.actor import PolicyTrainer
 from components.training.logprobs import batch_logprobs
 from components.training.optim import make_optimizer, param_groups
+from components.validate import load_checked
 from tests.components.training.test_actor import synthetic_batch
 
 LORA = LoraSettings(rank=4, alpha=8.0)
@@ -37,7 +37,7 @@ def trained(tiny_model_dir, tokenizer, steps: int = 2):
     base = load_model(tiny_model_dir)
     start = {k: v.clone() for k, v in base.state_dict().items()}
     policy = apply_lora(base, LORA, str(tiny_model_dir))
-    cfg = load_config(None, ["actor.optimizer.lr=0.05", "actor.optimizer.type=adamw"]).actor.optimizer
+    cfg = load_checked(None, ["actor.optimizer.lr=0.05", "actor.optimizer.type=adamw"]).actor.optimizer
     opt, sched = make_optimizer(param_groups(policy, cfg.lr), cfg)
     s = UpdateSettings(LoopSettings(grad_clip=1e9), loss=PolicyLossParams(agg_mode="token-mean"))
     trainer = PolicyTrainer(policy, AdaptersOff(policy), opt, sched, s)
@@ -142,7 +142,7 @@ def test_merging_never_touches_the_base(tiny_model_dir, tokenizer):
 )
 def test_what_lora_cannot_take_fails_before_any_work_naming_the_key(tiny_model_dir, overrides, match):
     with pytest.raises(ConfigError, match=match):
-        load_config(
+        load_checked(
             None, [f"actor.model.path={tiny_model_dir}", "data.batch_size=2", "engine.n=4", *overrides]
         )
 
@@ -155,7 +155,7 @@ def test_a_critic_with_adapters_trains_the_adapters_and_its_head_alone(tiny_mode
     torch.manual_seed(0)
     start = {k: v.clone() for k, v in load_model(tiny_model_dir).base_model.state_dict().items()}
     model = build_value_model(str(tiny_model_dir), "float32", "sdpa", "critic.model_path", LORA)
-    cfg = load_config(None, ["critic.optimizer.lr=0.05", "critic.optimizer.type=adamw"]).critic.optimizer
+    cfg = load_checked(None, ["critic.optimizer.lr=0.05", "critic.optimizer.type=adamw"]).critic.optimizer
     opt, sched = make_optimizer(param_groups(model, cfg.lr), cfg)
     trainer = CriticTrainer(model, opt, sched, LoopSettings(grad_clip=1e9), cliprange=0.5)
     for step in range(2):

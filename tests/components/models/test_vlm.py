@@ -238,8 +238,8 @@ def test_an_image_processor_needs_no_torchvision():
 
 
 def test_the_policy_directory_and_the_model_type_must_agree(tmp_path):
-    from components.config import load_config
     from components.errors import ConfigError
+    from components.validate import load_checked
     from tasks.rl import check_vision
 
     model, tok, processor = tiny_vlm("projector")  # 2x2 pooled: 4 image tokens
@@ -247,7 +247,7 @@ def test_the_policy_directory_and_the_model_type_must_agree(tmp_path):
     text = save_pretrained(model.language_model, tok, tmp_path / "text")
 
     def check(path, *extra):
-        cfg = load_config("configs/arith_grpo.yaml", [f"actor.model.path={path}", *extra])
+        cfg = load_checked("configs/arith_grpo.yaml", [f"actor.model.path={path}", *extra])
         check_vision(cfg, load_tokenizer(path))
 
     with pytest.raises(ConfigError, match=r"actor\.model\.type=text, but .* is a vision-language model"):

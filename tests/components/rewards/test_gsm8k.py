@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-from components.config import load_config
 from components.errors import RewardError
 from components.rewards import gsm8k
 from components.rewards.registry import REWARDS, score_with_config
+from components.validate import load_checked
 
 
 @pytest.mark.parametrize(
@@ -34,7 +34,7 @@ def test_format_score_and_flexible():
 
 
 def test_score_batch_counts_invalid_and_names_failing_sample():
-    cfg = load_config(None)
+    cfg = load_checked(None)
     REWARDS["test/nan"] = lambda rm: lambda text, truth, extra: float("nan") if text == "bad" else 1.0
     REWARDS["test/raise"] = lambda rm: lambda text, truth, extra: 1 / 0
     try:

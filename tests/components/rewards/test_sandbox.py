@@ -248,11 +248,11 @@ def test_missing_bubblewrap_refuses_instead_of_running_unconfined(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(SandboxUnavailable, match="apt-get install -y bubblewrap"):
         Sandbox()
-    from components.config import load_config
     from components.rewards.registry import scorer_for
+    from components.validate import load_checked
 
     with pytest.raises(SandboxUnavailable, match="bubblewrap"):
-        scorer_for("code", load_config(None))
+        scorer_for("code", load_checked(None))
 
 
 # ---- reward hacking: a solution that games the harness scores 0; an honest one still scores 1 ------------------

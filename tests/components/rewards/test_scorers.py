@@ -7,11 +7,11 @@ import textwrap
 
 import pytest
 
-from components.config import load_config
 from components.errors import ConfigError, RewardError
 from components.rewards import countdown, math_eq
 from components.rewards.custom import check_custom_reward
 from components.rewards.registry import score_with_config, scorer_for, scorers_for
+from components.validate import load_checked
 
 
 @pytest.mark.parametrize(
@@ -63,13 +63,13 @@ def test_countdown_exact_fractions():
 
 
 def test_sources_override_and_default(tmp_path):
-    cfg = load_config(None, ['reward_model.sources={"arith": "math"}', "reward_model.default_scorer=gsm8k"])
+    cfg = load_checked(None, ['reward_model.sources={"arith": "math"}', "reward_model.default_scorer=gsm8k"])
     assert scorer_for("arith", cfg)("\\boxed{5}", "5", {}) == 1.0  # math, not gsm8k
     assert scorer_for("somewhere/else", cfg)("#### 5", "5", {}) == 1.0  # the default
     with pytest.raises(KeyError, match="reward_model.sources"):
-        scorer_for("somewhere/else", load_config(None))
+        scorer_for("somewhere/else", load_checked(None))
     with pytest.raises(ConfigError, match="reward_model.default_scorer='nope'"):
-        load_config(None, ["reward_model.default_scorer=nope"])
+        load_checked(None, ["reward_model.default_scorer=nope"])
 
 
 def test_sub_scores_are_returned_per_row():
@@ -78,7 +78,7 @@ def test_sub_scores_are_returned_per_row():
     REWARDS["test/subs"] = lambda cfg: lambda text, truth, extra: {"score": 1.0, "length": float(len(text))}
     try:
         scores, valid, subs = score_with_config(
-            ["ab", "abc"], ["", ""], ["test/subs"] * 2, [{}, {}], load_config(None)
+            ["ab", "abc"], ["", ""], ["test/subs"] * 2, [{}, {}], load_checked(None)
         )
     finally:
         del REWARDS["test/subs"]
@@ -103,10 +103,10 @@ def test_custom_reward_function_loaded_by_path(tmp_path, monkeypatch):
             return 1 / 0
         """,
     )
-    cfg = load_config(None, ["custom_reward_function.path=rewards/mine.py"])
+    cfg = load_checked(None, ["custom_reward_function.path=rewards/mine.py"])
     scores, _, subs = score_with_config(["x 42", "x"], ["42", "42"], ["anything", "arith"], [{}, {}], cfg)
     assert scores == [1.0, 0.0] and subs == {"length": [4.0, 1.0]}
-    broken = load_config(
+    broken = load_checked(
         None, ["custom_reward_function.path=rewards/mine.py", "custom_reward_function.name=broken"]
     )
     with pytest.raises(RewardError, match=r"mine.py:5: ZeroDivisionError"):
@@ -129,7 +129,7 @@ def test_custom_reward_function_errors_name_file_and_line(tmp_path, monkeypatch)
         (str(outside), "compute_score", r"outside the project"),
     ]
     for path, name, match in cases:
-        cfg = load_config(
+        cfg = load_checked(
             None, [f"custom_reward_function.path={path}", f"custom_reward_function.name={name}"]
         )
         with pytest.raises(ConfigError, match=match):
@@ -143,7 +143,7 @@ def test_custom_reward_function_scores_in_a_ray_worker(tmp_path, monkeypatch, ra
 
     monkeypatch.chdir(tmp_path)
     write(tmp_path / "mine.py", "def compute_score(text, truth, extra):\n    return float(text == truth)\n")
-    cfg = load_config(None, ["custom_reward_function.path=mine.py"])
+    cfg = load_checked(None, ["custom_reward_function.path=mine.py"])
     rewards = start_reward_group(RewardSettings(overlong=(0, 0, 0.0)))
     scores, valid, _ = rewards.score(
         ["1", "2"], ["1", "1"], ["arith"] * 2, [{}, {}], scorers_for(["arith"], cfg)
@@ -177,7 +177,7 @@ def test_a_reward_module_that_exits_or_holds_the_process_at_import_is_one_line(t
     source, said = IMPORT_SIDE_EFFECTS[name]
     write(tmp_path / name, source + SCORE)
     with pytest.raises(RewardError, match=said):
-        check_custom_reward(load_config(None, [f"custom_reward_function.path={name}"]))
+        check_custom_reward(load_checked(None, [f"custom_reward_function.path={name}"]))
     assert check_config(None, [f"custom_reward_function.path={name}"]) == 2  # the CLI: exit 2, one line
 
 
@@ -188,7 +188,7 @@ def test_a_reward_module_that_hangs_at_import_is_refused_at_the_timeout(tmp_path
     monkeypatch.setattr(custom, "CHECK_TIMEOUT_S", 2.0)
     write(tmp_path / "hangs.py", "import time\ntime.sleep(1e9)\n" + SCORE)
     with pytest.raises(RewardError, match="importing it did not finish within 2 s"):
-        check_custom_reward(load_config(None, ["custom_reward_function.path=hangs.py"]))
+        check_custom_reward(load_checked(None, ["custom_reward_function.path=hangs.py"]))
 
 
 def test_the_scoring_process_imports_the_module_guarded_too():

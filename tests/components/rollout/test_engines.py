@@ -18,13 +18,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from components.config import load_config
 from components.errors import ConfigError
 from components.rollout import sglang_engine, trtllm_engine, vllm_engine
 from components.rollout.base import check_newer, make_engine
 from components.rollout.completions import engine_problems, to_rollout_output
 from components.rollout.pool import split_by_load
 from components.settings import SamplingParams
+from components.validate import load_checked
 
 GPU_ENGINES = ["vllm", "sglang", "trtllm"]
 
@@ -38,7 +38,7 @@ def test_config_validation_names_the_install_command_and_the_gpu(engine):
     assert any("needs a CUDA GPU" in p and "torch.cuda.is_available() is False" in p for p in problems)
     if engine_problems(engine):  # what this machine has: config validation refuses the engine
         with pytest.raises(ConfigError, match=f"engine.type={engine}"):
-            load_config(None, [f"engine.type={engine}", "trainer.rollout_placement=separate"])
+            load_checked(None, [f"engine.type={engine}", "trainer.rollout_placement=separate"])
 
 
 def test_vllms_cpu_build_needs_no_gpu():
@@ -60,7 +60,7 @@ def test_make_engine_without_the_package_says_what_to_install(engine, tmp_path):
 
 def test_colocating_a_gpu_engine_is_refused():
     with pytest.raises(ConfigError, match="rollout_placement=colocate samples with the policy's own module"):
-        load_config(None, ["engine.num_engines=2", "trainer.rollout_placement=colocate"])
+        load_checked(None, ["engine.num_engines=2", "trainer.rollout_placement=colocate"])
 
 
 def test_sampling_parameters_map_to_each_package():

@@ -14,12 +14,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from components.config import load_config
 from components.errors import ConfigError
 from components.models.loading import load_model
 from components.rollout.worker import RolloutWorker
 from components.settings import RolloutSettings, SamplingParams
 from components.training.logprobs import batch_logprobs
+from components.validate import load_checked
 from tests.conftest import arith_rows, make_model
 
 ROWS = arith_rows(8)
@@ -157,4 +157,4 @@ def test_partial_rollouts_where_they_cannot_happen_are_refused_naming_the_key(
     tiny_model_dir, overrides, match
 ):
     with pytest.raises(ConfigError, match=match):
-        load_config(None, [f"actor.model.path={tiny_model_dir}", *overrides])
+        load_checked(None, [f"actor.model.path={tiny_model_dir}", *overrides])

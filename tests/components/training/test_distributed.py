@@ -8,17 +8,17 @@ import pytest
 import ray
 import torch
 
-from components.config import load_config
 from components.models import build_tiny_model
 from components.plan import make_plan
 from components.training.loop import balanced_shards
 from components.training.ray_workers import policy_group
+from components.validate import load_checked
 from tests.components.training.test_actor import synthetic_batch
 
 
 def config(model_dir, *extra: str):
     # SGD: Adam's first step is lr x sign(grad), which turns rounding noise in tiny gradients into lr-sized steps
-    return load_config(
+    return load_checked(
         None,
         [
             f"actor.model.path={model_dir}",

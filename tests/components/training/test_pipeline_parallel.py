@@ -110,10 +110,10 @@ def test_two_stages_give_the_whole_models_logits_and_gradients(tmp_path):
     ],
 )
 def test_what_pipelines_cannot_do_fails_before_any_work_naming_the_key(tiny_model_dir, overrides, match):
-    from components.config import load_config
     from components.errors import ConfigError
+    from components.validate import load_checked
 
     with pytest.raises(ConfigError, match=match):
-        load_config(
+        load_checked(
             None, [f"actor.model.path={tiny_model_dir}", "data.batch_size=2", "engine.n=4", *overrides]
         )

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.config import load_config
 from components.errors import ConfigError
 from components.training.tensor_parallel import clip_grad_norm, module_plan
+from components.validate import load_checked
 
 
 def test_the_plan_is_the_architectures_own_with_the_vocabulary_split_when_it_divides(tokenizer):
@@ -93,7 +93,7 @@ def gpt2_dir(tmp_path, tokenizer):
 def test_impossible_meshes_fail_before_any_work_naming_the_key(tiny_model_dir, overrides, match):
     base = [f"actor.model.path={tiny_model_dir}", "data.batch_size=2", "engine.n=4"]
     with pytest.raises(ConfigError, match=match):
-        load_config(None, base + overrides)
+        load_checked(None, base + overrides)
 
 
 def test_an_architecture_without_a_plan_is_named(tmp_path, tokenizer):
@@ -101,7 +101,7 @@ def test_an_architecture_without_a_plan_is_named(tmp_path, tokenizer):
     with pytest.raises(
         ConfigError, match=rf"actor\.model\.path={path} is a gpt2 model, which has no tensor-parallel"
     ):
-        load_config(
+        load_checked(
             None,
             [f"actor.model.path={path}", "trainer.num_workers=2", "actor.tensor_model_parallel_size=2"],
         )
@@ -128,11 +128,11 @@ def test_sequence_parallelism_names_an_architecture_it_has_no_layout_for(tmp_pat
         "actor.sequence_parallel=true",
     ]
     with pytest.raises(ConfigError, match=r"actor\.sequence_parallel=true: .* is a gemma model"):
-        load_config(None, [f"actor.model.path={path}", *overrides])
+        load_checked(None, [f"actor.model.path={path}", *overrides])
 
 
 def test_a_valid_mesh_loads(tiny_model_dir):
-    cfg = load_config(
+    cfg = load_checked(
         None,
         [
             f"actor.model.path={tiny_model_dir}",

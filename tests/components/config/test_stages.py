@@ -1,4 +1,4 @@
-"""Each stage declares the config keys it reads once (components/stages.py): dvc.yaml's params, the Prefect
+"""Each stage declares the config keys it reads once (components/config/stages.py): dvc.yaml's params, the Prefect
 cache keys and the resume fingerprint follow from those declarations, and this test keeps dvc.yaml in step."""
 
 from pathlib import Path
@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components.config import flatten, load_config
-from components.stages import STAGES
+from components.config import flatten
+from components.config.stages import STAGES
+from components.validate import load_checked
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def dvc_params(stage: str, file: str = "dvc.yaml") -> list[str]:
@@ -25,8 +26,8 @@ def test_dvc_params_are_exactly_the_declared_keys(stage, file):
 
 def test_every_declared_key_exists_in_the_config_and_the_params_file():
     """DVC reads each param from configs/arith_grpo.yaml: a key missing there is one DVC cannot track."""
-    flat = flatten(load_config(None))
-    in_file = flatten(load_config(ROOT / "configs" / "arith_grpo.yaml"))
+    flat = flatten(load_checked(None))
+    in_file = flatten(load_checked(ROOT / "configs" / "arith_grpo.yaml"))
     raw = yaml.safe_load((ROOT / "configs" / "arith_grpo.yaml").read_text())
     for stage, keys in STAGES.items():
         for key in keys.reads:
@@ -52,7 +53,7 @@ def test_the_cache_keys_and_the_fingerprint_come_from_the_declarations():
         SFT_CACHE.config_keys,
         EVAL_CACHE.config_keys,
     ) == tuple(STAGES[s].reads for s in ("prepare", "clean", "sft", "evaluate"))
-    keys = training_keys(load_config(None))
+    keys = training_keys(load_checked(None))
     assert "algorithm.clip_epsilon" in keys and "data.batch_size" in keys and "trainer.seed" in keys
     assert not {"trainer.iterations", "trainer.num_workers", "sft.steps", "data.num_train"} & set(keys)
 

@@ -1,0 +1,82 @@
+"""The config's rules that need more than the config: the algorithm preset resolved, the engine's package and
+GPU, and the model directories (a tensor-parallel plan, LoRA targets, a vision encoder).
+
+`load_checked` is what every command and flow loads its config with: the config layer's own validation
+(components/config: fields, sections, and the rules across sections), then these. The config layer imports
+no other layer; this module is where the layers meet.
+"""
+
+from __future__ import annotations
+
+from components.config import Config, load_config
+from components.errors import ConfigError
+
+
+def load_checked(path: str | None, overrides: list[str] | None = None) -> Config:
+    """The validated config; one ConfigError listing every problem these rules find."""
+    cfg = load_config(path, overrides or [])
+    problems = algorithm_problems(cfg) + engine_and_model_problems(cfg)
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+    return cfg
+
+
+def algorithm_problems(cfg: Config) -> list[str]:
+    """What the resolved preset cannot do with these settings (an unknown preset name among them)."""
+    from components.algorithms.presets import resolve
+
+    try:
+        algo = resolve(cfg.algorithm)
+    except KeyError as exc:
+        return [str(exc.args[0])]
+    problems = []
+    greedy = cfg.engine.temperature == 0 or cfg.engine.top_k == 1
+    if algo.grouped and cfg.engine.n > 1 and greedy:
+        what = "engine.temperature=0" if cfg.engine.temperature == 0 else "engine.top_k=1"
+        problems.append(
+            f"{what} samples greedily: the engine.n={cfg.engine.n} completions of a prompt are identical, so "
+            f"{algo.adv_estimator}'s group advantages are all 0 and nothing would be learned. Sample (e.g. "
+            "engine.temperature=1.0, engine.top_k=0), or use a preset without groups (ppo)."
+        )
+    if (algo.grouped or algo.dynamic_sampling) and cfg.engine.n < 2:
+        what = algo.adv_estimator if algo.grouped else "dynamic sampling"
+        problems.append(
+            f"engine.n={cfg.engine.n}: {what} compares completions of one prompt, so it needs engine.n >= 2."
+        )
+    if cfg.multi_turn.enable and algo.needs_baseline:
+        problems.append(
+            f"multi_turn.enable=true with algorithm.name={cfg.algorithm.name}: its greedy baseline is "
+            "decoded in one turn, not with tools; use grpo, rloo or another estimator without it."
+        )
+    pp = cfg.actor.pipeline_model_parallel_size
+    if pp > 1 and algo.needs_critic:
+        problems.append(
+            f"actor.pipeline_model_parallel_size={pp} with a critic (adv_estimator gae) is not supported in "
+            "this version; set one of them back."
+        )
+    return problems
+
+
+def engine_and_model_problems(cfg: Config) -> list[str]:
+    """The engine's package and GPU, and what the model directories cannot take."""
+    from components.models.multimodal import vision_problems
+    from components.rollout.completions import engine_problems
+
+    problems = engine_problems(cfg.engine.type)
+    tp, sp = cfg.actor.tensor_model_parallel_size, cfg.actor.sequence_parallel
+    if tp > 1 and cfg.trainer.num_workers % (tp * cfg.actor.pipeline_model_parallel_size) == 0:
+        from components.training.tensor_parallel import plan_problems  # torch: only for a TP config
+
+        problems += plan_problems(cfg.actor.model.path, tp, sequence_parallel=sp)
+        if cfg.critic.model_path:
+            problems += plan_problems(cfg.critic.model_path, tp, "critic.model_path", sp)
+    if cfg.actor.lora.rank or cfg.critic.lora.rank:
+        from components.models.lora import lora_problems
+        from components.settings import LoraSettings
+
+        if cfg.actor.lora.rank:
+            problems += lora_problems(cfg.actor.model.path, LoraSettings.from_config(cfg.actor.lora))
+        if cfg.critic.lora.rank:
+            backbone = cfg.critic.model_path or cfg.actor.model.path
+            problems += lora_problems(backbone, LoraSettings.from_config(cfg.critic.lora), "critic.lora")
+    return problems + vision_problems(cfg)
