@@ -8,6 +8,9 @@ no other layer; this module is where the layers meet.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from components.config import Config, load_config
 from components.errors import ConfigError
 
@@ -63,6 +66,14 @@ def engine_and_model_problems(cfg: Config) -> list[str]:
     from components.rollout.completions import engine_problems
 
     problems = engine_problems(cfg.engine.type)
+    pp = cfg.actor.pipeline_model_parallel_size
+    config = Path(cfg.actor.model.path) / "config.json"
+    layers = json.loads(config.read_text()).get("num_hidden_layers") if pp > 1 and config.is_file() else None
+    if layers is not None and pp > layers:
+        problems.append(
+            f"actor.pipeline_model_parallel_size={pp} is more than the {layers} decoder layers of "
+            f"actor.model.path={cfg.actor.model.path}; use at most {layers} stages."
+        )
     tp, sp = cfg.actor.tensor_model_parallel_size, cfg.actor.sequence_parallel
     if tp > 1 and cfg.trainer.num_workers % (tp * cfg.actor.pipeline_model_parallel_size) == 0:
         from components.training.tensor_parallel import plan_problems  # torch: only for a TP config

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -140,11 +139,6 @@ def tensor_parallel_problems(cfg: Config) -> list[str]:
     TP replicas by anything but FSDP, and models the architecture's plan cannot split."""
     t, tp = cfg.trainer, cfg.actor.tensor_model_parallel_size
     if tp == 1:
-        if cfg.actor.sequence_parallel:
-            return [
-                "actor.sequence_parallel=true splits the sequence over tensor-parallel workers, but "
-                "actor.tensor_model_parallel_size=1; set it above 1, or sequence_parallel=false."
-            ]
         return []
     n, problems = t.num_workers, []
     pp = cfg.actor.pipeline_model_parallel_size
@@ -344,14 +338,6 @@ def pipeline_problems(cfg: Config) -> list[str]:
     for what, present in unsupported.items():
         if present:
             problems.append(f"{key} with {what} is not supported in this version; set one of them back.")
-    config = Path(cfg.actor.model.path) / "config.json"
-    if config.is_file():
-        layers = json.loads(config.read_text()).get("num_hidden_layers")
-        if layers is not None and pp > layers:
-            problems.append(
-                f"{key} is more than the {layers} decoder layers of actor.model.path={cfg.actor.model.path}; "
-                f"use at most {layers} stages."
-            )
     return problems
 
 

@@ -205,6 +205,15 @@ class ActorConfig(Section):
     )
     pipeline_schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="the pipeline schedule")
 
+    @model_validator(mode="after")
+    def _sequence_parallel_needs_tensor_parallel(self) -> ActorConfig:
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError(
+                "actor.sequence_parallel=true splits the sequence over tensor-parallel workers, but "
+                "actor.tensor_model_parallel_size=1; set it above 1, or sequence_parallel=false."
+            )
+        return self
+
 
 class CriticConfig(Section):
     """The value model PPO (adv_estimator gae) trains beside the actor: the policy's backbone plus a value head."""
