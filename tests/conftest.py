@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 from components.env import apply_defaults
+
+# this session's stage results in a directory of its own: a second run of the suite in the same checkout is
+# never served the first run's (a stage's cache key is what it reads, not where it writes)
+os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = tempfile.mkdtemp(prefix="reinforge-test-results-")
+atexit.register(shutil.rmtree, os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"], True)
 
 # the defaults every entry point sets (components/env.py), before any test module imports Prefect: Prefect
 # reads its logging settings once, when imported, and the run loggers' INFO level is what sends each
