@@ -507,18 +507,6 @@ def _start_reward_model(placement: Placement, num_threads: int, timeout_s: float
     return RewardModelActor([actor], [ray.get(actor.pid.remote())], timeout_s)
 
 
-def stop_workers(workers: Workers | None) -> None:
-    if workers is not None:
-        workers.stop()
-
-
-def rebuild_workers(workers: Workers, plan: RunPlan) -> Workers:
-    """Kill what is left of a worker group and start a fresh one, with fewer workers if resources are gone
-    (the caller restores its state from the last checkpoint)."""
-    workers.stop()
-    return start_workers(plan)
-
-
 def start_reward_group(settings: RewardSettings) -> RewardGroup:
     """The RewardScorer actor (no CPU of its own: it waits on its scorers, which run in sandboxes or threads).
     A dead process is restarted and the call retried (same inputs, same rewards); an exception is not."""

@@ -11,7 +11,7 @@ from components.data.formats import make_row
 from components.errors import ConfigError
 from components.plan import make_plan
 from components.settings import SamplingParams
-from components.training.ray_workers import start_workers, stop_workers
+from components.training.ray_workers import start_workers
 from tests.components.training.test_actor import synthetic_batch
 from tests.components.training.test_distributed import config
 
@@ -36,7 +36,7 @@ def samples(placement: str, model_dir, tokenizer) -> tuple[bool, list[torch.Tens
             b.tensors[k] for b in (before, after) for k in ("responses", "rollout_logprobs")
         ]
     finally:
-        stop_workers(workers)
+        workers.stop()
 
 
 def test_colocated_engine_samples_as_a_separate_one_and_follows_updates(ray_up, tiny_model_dir, tokenizer):
