@@ -356,12 +356,17 @@ def run_child(name: str, w: str, beta: float, steps: int, tag: str, extra: list[
         "--child-out",
         str(out),
     ] + (["--ours-overrides", *extra] if framework == "ours" and extra else [])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    from bench.startup import CpuTimeline, cpu_by_role
+
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with CpuTimeline(proc.pid) as cpu:  # the whole process tree: Ray's and Prefect's processes too
+        _, err = proc.communicate()
+    wall = time.perf_counter() - started
     if proc.returncode != 0 or not res.is_file():
-        raise RuntimeError(
-            f"{framework} {w} beta={beta} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
-        )
-    return json.loads(res.read_text())
+        raise RuntimeError(f"{framework} {w} beta={beta} failed (exit {proc.returncode}):\n{err[-4000:]}")
+    cpu_s = sum(cpu_by_role(cpu.samples, float("inf")).values())
+    return {**json.loads(res.read_text()), "process": {"wall_s": wall, "cpu_s": cpu_s}}
 
 
 # ---------------------------------------------------------------- figures
@@ -544,6 +549,36 @@ def _med(values) -> float:
     return statistics.median(list(values))
 
 
+def whole_process_table(results: list[dict]) -> list[str]:
+    """The whole run, process start to exit, of each framework: wall seconds, CPU seconds of the process tree
+    (sampled every 200 ms: up to that much of a process's last moments is not counted) and peak memory of
+    the tree; medians over the pairs."""
+    lines = [
+        "\n## The whole process (start to exit), medians over the pairs\n",
+        "| workload | beta | our async_mode | steps | wall s TRL / ours | ours/TRL | CPU s TRL / ours | ours/TRL | "
+        "peak RSS GiB TRL / ours | ours/TRL | peak PSS GiB TRL / ours |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        pairs = [p for p in r["pairs"] if "process" in p["trl"] and "process" in p["ours"]]
+        if not pairs:
+            continue
+
+        def med(fw: str, key: str, where: str = "process", pairs: list = pairs) -> float:
+            return _med(p[fw][where][key] if where else p[fw][key] for p in pairs)
+
+        wall, cpu = (med("trl", "wall_s"), med("ours", "wall_s")), (med("trl", "cpu_s"), med("ours", "cpu_s"))
+        rss = (med("trl", "peak_rss_gib", ""), med("ours", "peak_rss_gib", ""))
+        pss = (med("trl", "peak_pss_gib", ""), med("ours", "peak_pss_gib", ""))
+        lines.append(
+            f"| {r['workload']} | {r['beta']:g} | {r.get('mode', 'config')} | {r['steps']} | "
+            f"{wall[0]:.1f} / {wall[1]:.1f} | **{wall[1] / wall[0]:.2f}** | {cpu[0]:.1f} / {cpu[1]:.1f} | "
+            f"{cpu[1] / cpu[0]:.2f} | {rss[0]:.2f} / {rss[1]:.2f} | {rss[1] / rss[0]:.2f} | "
+            f"{pss[0]:.2f} / {pss[1]:.2f} |"
+        )
+    return lines
+
+
 def report(results: list[dict], meta: dict) -> str:
     lines = [
         "# reinforge vs TRL GRPOTrainer\n",
@@ -578,6 +613,7 @@ def report(results: list[dict], meta: dict) -> str:
             f"{r['start_acc']:.3f} -> {_med(p['trl']['acc'] for p in r['pairs']):.3f} / "
             f"{_med(p['ours']['acc'] for p in r['pairs']):.3f} |"
         )
+    lines += whole_process_table(results)
     lines += ["\n## Our step, stage by stage (median seconds)\n"]
     keys = sorted({k for r in results for p in r["pairs"] for k in p["ours"]["stages"]} - set(ASYNC))
     lines += stage_table(results, keys)
