@@ -13,3 +13,21 @@ def test_a_rerun_replaces_the_tables_and_keeps_the_hand_written_notes(tmp_path):
     assert new == f"# run 2\n| w1 | 1.11 |\n\n{NOTES_MARK}\n## Where the time goes\nreading run 1\n"
     doc.write_text("# run 1, no notes\n")
     assert with_kept_notes("# run 2\n", doc) == "# run 2\n"
+
+
+def test_the_whole_process_table_takes_medians_over_the_pairs_and_their_ratios():
+    from bench.trl_compare import whole_process_table
+
+    def run(wall, cpu, rss, pss):
+        return {"process": {"wall_s": wall, "cpu_s": cpu}, "peak_rss_gib": rss, "peak_pss_gib": pss}
+
+    pairs = [
+        {"trl": run(10.0, 12.0, 0.5, 0.4), "ours": run(30.0, 30.0, 2.0, 1.5)},
+        {"trl": run(11.0, 14.0, 0.6, 0.4), "ours": run(22.0, 35.0, 2.1, 1.6)},
+        {"trl": run(12.0, 16.0, 0.7, 0.5), "ours": run(20.0, 40.0, 2.4, 1.7)},
+    ]
+    result = {"workload": "w1", "beta": 0.0, "mode": "config", "steps": 20, "pairs": pairs}
+    row = whole_process_table([result])[-1]
+    assert row == (
+        "| w1 | 0 | config | 20 | 11.0 / 22.0 | **2.00** | 14.0 / 35.0 | 2.50 | 0.60 / 2.10 | 3.50 | 0.40 / 1.60 |"
+    )
