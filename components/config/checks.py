@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from components.config.names import ADAPTER_ENGINES, INTERRUPTIBLE_ENGINES, LORA_RANKS
+from components.config.names import ADAPTER_ENGINES, INTERRUPTIBLE_ENGINES, LORA_RANKS, installed
 from components.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -81,7 +80,7 @@ def parallel_problems(cfg: Config, responses: int) -> list[str]:
             f"trainer.data_parallel_size={dp}: ddp replicates the model on every worker, so it must "
             f"equal trainer.num_workers={n} (or be unset); use trainer.strategy=fsdp to shard."
         )
-    if t.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+    if t.strategy == "deepspeed" and not installed("deepspeed"):
         problems.append(
             "trainer.strategy=deepspeed: package `deepspeed` is not installed. Install it with "
             "`pip install 'reinforge[gpu]'`, or set trainer.strategy=fsdp (ships with torch)."
@@ -99,10 +98,7 @@ def parallel_problems(cfg: Config, responses: int) -> list[str]:
             "possible. Set trainer.save_optimizer=false (a resume restarts the optimizer state), "
             "or use trainer.strategy=fsdp."
         )
-    if (
-        cfg.actor.model.attention_implementation == "flash_attention_2"
-        and importlib.util.find_spec("flash_attn") is None
-    ):
+    if cfg.actor.model.attention_implementation == "flash_attention_2" and not installed("flash_attn"):
         problems.append(
             "actor.model.attention_implementation=flash_attention_2: package `flash_attn` is not "
             "installed (it needs a CUDA GPU). Install it with `pip install 'reinforge[gpu]'`, or use "
@@ -177,7 +173,7 @@ def lora_config_problems(cfg: Config) -> list[str]:
             "no CUDA GPU is visible"
             if not torch.cuda.is_available()
             else "package `bitsandbytes` is not installed (pip install 'reinforge[gpu]')"
-            if importlib.util.find_spec("bitsandbytes") is None
+            if not installed("bitsandbytes")
             else None
         )
         if why:

@@ -16,6 +16,7 @@ from components.config.names import (
     ENGINE_PACKAGES,
     LORA_RANKS,
     has_cpu_build,
+    installed,
 )
 
 
@@ -72,7 +73,7 @@ def engine_problems(
         return []
     module, install = ENGINE_PACKAGES[engine_type]
     problems = []
-    if importlib.util.find_spec(module) is None:
+    if not installed(module):
         problems.append(
             f"engine.type={engine_type}: package `{module}` is not installed. Install it with "
             f"`{install}`, or set engine.type=hf."

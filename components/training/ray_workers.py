@@ -271,6 +271,7 @@ class RewardGroup(Actors):
         sample; one that runs past trainer.stage_timeout_s stops the run (a retry would hang again)."""
         from components.rewards.registry import scorer_name
 
+        self.refresh_pids()  # Ray restarts a scorer whose process died: a hang kills the one running now
         call = self.actors[0].score.remote(texts, truths, sources, extras, scorers, self.concurrency)
         try:
             return self.wait([call], "score")[0]
