@@ -49,15 +49,26 @@ def main(argv: list[str] | None = None) -> int:
     # --help, and options the command does not take, are answered here, before the flow's module imports
     # Prefect, Ray and torch; the flow parses the same arguments again with the same parser
     args = parser().parse_args(argv[1:])
-    if argv[0] in RUN_FLOWS:  # Prefect's server comes up while the flow's modules are imported
+    if argv[0] not in RUN_FLOWS:
+        return importlib.import_module(module).main(extra + argv[1:])
+    from components.gc_pause import collector_paused, freeze_for_exit
+
+    with collector_paused():  # the imports and the services' start: objects the whole run keeps
         from components.services import start_prefect_server_early
 
-        start_prefect_server_early()
-    if argv[0] in RUN_RAY:
-        failed = start_ray_checking_config(args)
-        if failed:
-            return failed
-    return importlib.import_module(module).main(extra + argv[1:])
+        start_prefect_server_early()  # Prefect's server comes up while the flow's modules are imported
+        failed = start_ray_checking_config(args) if argv[0] in RUN_RAY else 0
+        flow_module = None if failed else importlib.import_module(module)
+    if flow_module is None:
+        return failed
+    try:
+        return flow_module.main(extra + argv[1:])
+    finally:
+        freeze_for_exit()
+        if argv[0] in RUN_RAY:
+            from components.training.cluster import stop_ray
+
+            stop_ray()
 
 
 if __name__ == "__main__":

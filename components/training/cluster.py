@@ -62,9 +62,25 @@ def ensure_ray(warm_workers: bool = False) -> None:
                 "worker_niceness": 0,
             }
             | (
-                {"preload_python_modules": WORKER_MODULES, "num_workers_soft_limit": WARM_WORKERS}
+                {
+                    "preload_python_modules": ["components.training.preload"],
+                    "num_workers_soft_limit": WARM_WORKERS,
+                }
                 if warm_workers
                 else {}
             ),
         )
     reclaim_signals()
+
+
+def stop_ray() -> None:
+    """ray.shutdown() at the end of a command that started a local instance, without its waits: the
+    autoscaler's monitor sleeps through SIGTERM, so Ray's shutdown gives it a full second before killing it
+    (it holds nothing to save, so it is killed first), and Ray's own exit hook sleeps 0.5 s more."""
+    node = ray._private.worker._global_node  # set only when this process started the instance
+    if node is not None:
+        for info in node.all_processes.get("monitor", []):
+            if info.process.poll() is None:
+                info.process.kill()
+    if ray.is_initialized():
+        ray.shutdown()

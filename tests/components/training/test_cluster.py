@@ -1,4 +1,5 @@
-"""The local Ray instance of a `reinforge train` process: its first actors start in warm workers."""
+"""The local Ray instance of a `reinforge train` process: its first actors start in warm workers, whose
+imports were frozen out of the collector's scans, and stop_ray leaves none of its processes behind."""
 
 from __future__ import annotations
 
@@ -32,11 +33,21 @@ PROBE = textwrap.dedent(
     @ray.remote(num_cpus=1)
     class Probe:
         def where(self):
-            return os.getpid(), "components.training.ray_workers" in sys.modules
+            import gc
+
+            return os.getpid(), "components.training.ray_workers" in sys.modules, gc.get_freeze_count()
 
     started = time.time()
-    pid, preloaded = ray.get(Probe.remote().where.remote())
-    print(json.dumps({"warm": warm, "pid": pid, "preloaded": preloaded, "start_s": time.time() - started}))
+    pid, preloaded, frozen = ray.get(Probe.remote().where.remote())
+    start_s = time.time() - started
+
+    from components.training.cluster import stop_ray
+
+    node = [i.process for v in ray._private.worker._global_node.all_processes.values() for i in v]
+    stop_ray()
+    left = [p.pid for p in node if p.poll() is None]
+    print(json.dumps({"warm": warm, "pid": pid, "preloaded": preloaded, "frozen": frozen, "start_s": start_s,
+                      "left": left, "initialized": ray.is_initialized()}))
     """
 )
 
@@ -47,3 +58,5 @@ def test_a_reinforge_process_actors_start_in_warm_workers():
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(out["warm"]) == 2  # WARM_WORKERS, not one per core
     assert out["pid"] in out["warm"] and out["preloaded"], out
+    assert out["frozen"] > 100_000, out  # torch's and transformers' objects, out of every later scan
+    assert out["left"] == [] and not out["initialized"], out  # the monitor too, killed rather than waited for
