@@ -55,22 +55,25 @@ def rss_of(pids: list[int]) -> Callable[[], list[int]]:
     return lambda: [p.memory_info().rss for p in procs]
 
 
-def rss_of_tree() -> list[int]:
-    """[this process's RSS, its RSS plus that of all its descendants (Ray's and Prefect's processes)]."""
-    me = psutil.Process()
+def rss_of_tree(pid: int | None = None) -> list[int]:
+    """[RSS of process `pid` (this one by default), its RSS plus that of all its descendants (Ray's and
+    Prefect's processes)]. A descendant that ends while we look is left out."""
+    me = psutil.Process(pid)
     own = me.memory_info().rss
-    return [own, own + sum(c.memory_info().rss for c in me.children(recursive=True))]
+    return [own, own + sum(_or_zero(c.memory_info, "rss") for c in me.children(recursive=True))]
 
 
-def pss_of_tree() -> list[int]:
-    """[PSS of this process and all its descendants]. A sum of RSS counts each page shared by several processes
-    (torch's libraries, mapped by the driver and every worker) once per process; PSS splits it among them, so
-    this is the memory the run really holds. Reading it walks each process's page tables (~10 ms per 0.5 GB
-    process, slowing the process meanwhile): sample it seconds apart, not every 200 ms."""
-    total = 0
-    for p in [psutil.Process(), *psutil.Process().children(recursive=True)]:
-        try:
-            total += p.memory_full_info().pss
-        except psutil.Error:  # ended since the listing
-            continue
-    return [total]
+def _or_zero(read: Callable, field: str) -> int:
+    try:
+        return getattr(read(), field)
+    except psutil.Error:  # ended since the listing
+        return 0
+
+
+def pss_of_tree(pid: int | None = None) -> list[int]:
+    """[PSS of process `pid` (this one by default) and all its descendants]. A sum of RSS counts each page
+    shared by several processes (torch's libraries, mapped by the driver and every worker) once per process;
+    PSS splits it among them, so this is the memory the run really holds. Reading it walks each process's
+    page tables (~10 ms per 0.5 GB process, slowing the process meanwhile): sample it seconds apart."""
+    me = psutil.Process(pid)
+    return [sum(_or_zero(p.memory_full_info, "pss") for p in [me, *me.children(recursive=True)])]

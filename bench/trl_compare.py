@@ -11,8 +11,9 @@ initialised, so it samples the full 64 new tokens), 8 prompts x 8 samples. Tempe
 step per generation batch, AdamW at a constant learning rate, token-mean loss, clip 0.2, group-std scaled
 advantages; TRL runs on the CPU with `use_vllm=False`.
 
-Each run is its own process (ours: the real training flow, so Prefect tasks, Ray actors and MLflow logging are
-inside every step; TRL: its trainer). A step's time is the wall time between the ends of consecutive steps
+Each run is its own process (ours: `reinforge train`, as a user types it, so Prefect tasks, Ray actors and MLflow
+logging are inside every step; TRL: a script around its trainer), and its wall time, CPU seconds and peak memory
+are of that process with all its descendants. A step's time is the wall time between the ends of consecutive steps
 (ours from the MLflow timestamps of each step's metrics), the first step (warm-up) and our last one (which
 also runs the held-out test) left out. Held-out greedy accuracy of the start and of each final model is
 measured by the same evaluator. Prints Markdown tables and writes bench/results/trl_compare.json and
@@ -29,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from bench.memory import PeakSampler, pss_of_tree, rss_of_tree
@@ -95,14 +97,15 @@ def n_params(path: Path) -> int:
     return sum(p.numel() for p in load_model(path).parameters())
 
 
-def memory_samplers() -> tuple[PeakSampler, PeakSampler]:
-    """RSS every 200 ms (a light touch on a 2-core machine), PSS every 5 s (it costs far more to read)."""
-    return PeakSampler(rss_of_tree, 0.2), PeakSampler(pss_of_tree, 5.0)
+def memory_samplers(pid: int) -> tuple[PeakSampler, PeakSampler]:
+    """Of process `pid` and its descendants: RSS every 200 ms (a light touch on a 2-core machine), PSS every
+    5 s (it costs far more to read)."""
+    return PeakSampler(partial(rss_of_tree, pid), 0.2), PeakSampler(partial(pss_of_tree, pid), 5.0)
 
 
 def peak_memory(rss: PeakSampler, pss: PeakSampler) -> dict:
-    """Peak RSS (GiB) of this process with its descendants (Ray's workers among them), their peak PSS (shared
-    pages counted once), and this process's peak RSS."""
+    """Peak RSS (GiB) of the run's process with its descendants (Ray's workers among them), their peak PSS
+    (shared pages counted once), and the run's own process's peak RSS."""
     own, tree = rss.peak
     return {
         "peak_rss_gib": tree / 2**30,
@@ -111,15 +114,11 @@ def peak_memory(rss: PeakSampler, pss: PeakSampler) -> dict:
     }
 
 
-# ---------------------------------------------------------------- children: one training run each
+# ---------------------------------------------------------------- the runs: one process each
 
 
-def child_ours(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> dict:
-    """The real training flow (Prefect, Ray, MLflow) for `steps` iterations; `extra`: more overrides."""
-    import mlflow
-
-    from flows.train import train_flow
-
+def ours_command(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> list[str]:
+    """`reinforge train` for `steps` iterations, as a user types it; `extra`: more overrides."""
     spec = WORKLOADS[w]
     overrides = [
         f"actor.model.path={model_dir(w)}",
@@ -143,11 +142,18 @@ def child_ours(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> 
         f"actor.model.max_seq_len={16 + spec['max_new']}",
         *extra,
     ]
-    rss, pss = memory_samplers()
-    with rss, pss:
-        info = train_flow(CONFIG, overrides, f"bench-trl-{w}")
-    mem = peak_memory(rss, pss)
-    client = mlflow.tracking.MlflowClient()
+    reinforge = Path(sys.executable).with_name("reinforge")
+    return [str(reinforge), "train", "--config", CONFIG, *overrides, "--json"]
+
+
+def ours_result(info: dict, w: str, steps: int) -> dict:
+    """The per-step figures of our run `info` (what `reinforge train --json` printed), from its MLflow run."""
+    import mlflow
+
+    from components.tracking.mlflow_tracker import default_tracking_uri
+
+    spec = WORKLOADS[w]
+    client = mlflow.tracking.MlflowClient(default_tracking_uri())
     names = [
         k
         for k in client.get_run(info["run_id"]).data.metrics
@@ -168,11 +174,10 @@ def child_ours(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> 
         "gen_tokens": [hist["response_length/mean"][s].value * rows for s in sorted(ends)],
         "stages": stages,
         "final_model": info["final_model"],
-        **mem,
     }
 
 
-def child_trl(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> dict:
+def child_trl(w: str, beta: float, steps: int, out: Path) -> dict:
     """TRL's GRPOTrainer on the CPU (use_vllm=False) with the same model, data, reward and settings."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
@@ -263,11 +268,8 @@ def child_trl(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> d
         return result
 
     trainer._generate = timed_generate
-    rss, pss = memory_samplers()
-    with rss, pss:
-        start = time.perf_counter()
-        trainer.train()
-    mem = peak_memory(rss, pss)
+    start = time.perf_counter()
+    trainer.train()
     ends = [start] + timing["ends"]
     step_s = [ends[i] - ends[i - 1] for i in range(2, len(ends))]  # not the first (warm-up)
     logs = [h for h in trainer.state.log_history if "reward" in h]
@@ -281,7 +283,6 @@ def child_trl(w: str, beta: float, steps: int, out: Path, extra: list[str]) -> d
         "gen_tokens": lengths,
         "stages": {"timing_s/gen": statistics.median(timing["gen"][1:])},
         "final_model": str(final),
-        **mem,
     }
 
 
@@ -341,32 +342,26 @@ def run_child(name: str, w: str, beta: float, steps: int, tag: str, extra: list[
         "RAY_DEDUP_LOGS": "1",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.trl_compare",
-        "--child",
-        framework,
-        "--workload",
-        w,
-        "--beta",
-        str(beta),
-        "--steps",
-        str(steps),
-        "--child-out",
-        str(out),
-    ] + (["--ours-overrides", *extra] if framework == "ours" and extra else [])
+    trl = [sys.executable, "-m", "bench.trl_compare", "--child", "trl", "--workload", w]
+    trl += ["--beta", str(beta), "--steps", str(steps), "--child-out", str(out)]
+    cmd = ours_command(w, beta, steps, out, extra) if framework == "ours" else trl
     from bench.startup import CpuTimeline, cpu_by_role
 
     started = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    with CpuTimeline(proc.pid) as cpu:  # the whole process tree: Ray's and Prefect's processes too
-        _, err = proc.communicate()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rss, pss = memory_samplers(proc.pid)
+    # the whole process tree: Ray's and Prefect's processes too
+    with CpuTimeline(proc.pid) as cpu, rss, pss:
+        printed, err = proc.communicate()
     wall = time.perf_counter() - started
-    if proc.returncode != 0 or not res.is_file():
+    if proc.returncode != 0 or (framework == "trl" and not res.is_file()):
         raise RuntimeError(f"{framework} {w} beta={beta} failed (exit {proc.returncode}):\n{err[-4000:]}")
     cpu_s = sum(cpu_by_role(cpu.samples, float("inf")).values())
-    return {**json.loads(res.read_text()), "process": {"wall_s": wall, "cpu_s": cpu_s}}
+    if framework == "ours":
+        result = ours_result(json.loads(printed[("\n" + printed).index("\n{") :]), w, steps)
+    else:
+        result = json.loads(res.read_text())
+    return {**result, **peak_memory(rss, pss), "process": {"wall_s": wall, "cpu_s": cpu_s}}
 
 
 # ---------------------------------------------------------------- figures
@@ -450,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
         "config's mode only",
     )
     p.add_argument("--betas", nargs="+", type=float, help="only these of each workload's betas")
-    p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=["trl"], help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument("--beta", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -458,10 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.child:
         out = Path(a.child_out)
         out.mkdir(parents=True, exist_ok=True)
-        result = (child_ours if a.child == "ours" else child_trl)(
-            a.workload, a.beta, a.steps, out, a.ours_overrides
-        )
-        (out / "result.json").write_text(json.dumps(result))
+        (out / "result.json").write_text(json.dumps(child_trl(a.workload, a.beta, a.steps, out)))
         return
 
     import torch

@@ -300,6 +300,11 @@ def services(output_dir: str = ".") -> list[Check]:
 
 
 def ray_resources_check(address: str) -> Check:
+    from components.services import ray_problem
+
+    why = ray_problem(address, 15.0)  # what `reinforge train` checks first: the token, the GCS, the versions
+    if why:
+        return Check("Ray cluster", "fail", why.split(": ", 1)[1], "")
     resources = ray_cluster_resources(address)
     if isinstance(resources, str):
         return Check(

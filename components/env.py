@@ -71,10 +71,20 @@ def prefect_auth_string() -> str:
     return value
 
 
+def ray_token_at_hand() -> bool:
+    """A Ray auth token this process can send: RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, or
+    ~/.ray/auth_token (which `ray start` and every local instance write)."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"
+    return bool(os.environ.get("RAY_AUTH_TOKEN")) or Path(path).is_file()
+
+
 def local_defaults() -> dict[str, str]:
     """What only a run's own, embedded services get: Prefect's API auth on both sides when no PREFECT_API_URL
     names a server of the user's, and Ray's processes on loopback when no RAY_ADDRESS names a cluster (Ray binds
-    its node's routable address otherwise, and its metrics endpoints take no auth)."""
+    its node's routable address otherwise, and its metrics endpoints take no auth). A driver of a cluster sends
+    its token when one is at hand: `ray start --head` turns token auth on wherever ~/.ray/auth_token exists, but
+    Ray's driver sends it to an address it is given only in RAY_AUTH_MODE=token (a cluster without auth ignores
+    the token)."""
     out = {}
     if not os.environ.get("PREFECT_API_URL"):
         try:
@@ -85,6 +95,8 @@ def local_defaults() -> dict[str, str]:
             out.update(PREFECT_SERVER_API_AUTH_STRING=auth, PREFECT_API_AUTH_STRING=auth)
     if not os.environ.get("RAY_ADDRESS"):
         out[RAY_LOOPBACK] = "0"
+    elif ray_token_at_hand():
+        out["RAY_AUTH_MODE"] = "token"
     return out
 
 

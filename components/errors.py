@@ -25,5 +25,9 @@ class ServiceError(ReinforgeError):
     """Ray, MLflow or Prefect at the configured address does not answer."""
 
 
+class ResourceError(ReinforgeError):
+    """The Ray cluster has no room for the workers the run asks for."""
+
+
 class OutputError(ReinforgeError):
     """An output cannot be written: a full disk, no permission, or a path that is not ours to replace."""

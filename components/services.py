@@ -52,6 +52,83 @@ def ray_problem(address: str, timeout_s: float) -> str | None:
             f"RAY_ADDRESS={address}: no Ray cluster answers there ({why}, within {timeout_s:g} s). Start it "
             "(`ray start --head`), fix the address, or unset RAY_ADDRESS to start Ray locally."
         )
+    if parsed.scheme != "gcs":  # Ray Client (ray://) or a dashboard: no GCS to ask at that port
+        return None
+    return gcs_problem(address, timeout_s)
+
+
+# asks the cluster's GCS for its metadata (Ray's and Python's versions), as a driver does first; in a child
+# process, so the C++ client's retry warnings stay off the user's terminal and a hang can be cut short
+GCS_PROBE = """
+import json, sys
+from ray._raylet import GcsClient
+try:
+    raw = GcsClient(address=sys.argv[1]).internal_kv_get(b"CLUSTER_METADATA", b"cluster", float(sys.argv[2]))
+    print(json.dumps(json.loads(raw or b"{}")))
+except Exception as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc).split(". ")[0]}))
+"""
+
+
+def gcs_problem(address: str, timeout_s: float) -> str | None:
+    """Why a driver could not join the Ray cluster whose GCS listens at `address` (gcs_verdict), asked of the
+    GCS itself; None when a driver can join."""
+    import json
+    import subprocess
+    import sys
+
+    try:
+        res = subprocess.run(
+            [sys.executable, "-c", GCS_PROBE, address, str(max(timeout_s - 2.0, 1.0))],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        found = json.loads(res.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, IndexError, ValueError):
+        found = {"error": "no answer", "message": f"its GCS said nothing within {timeout_s:g} s"}
+    return gcs_verdict(address, found)
+
+
+def gcs_verdict(address: str, found: dict) -> str | None:
+    """What the GCS probe `found` means for a driver: its token auth refused us (no token sent, or the wrong
+    one), it did not answer as a GCS, or it runs another Ray or Python than this environment (Ray refuses a
+    driver that differs); None when a driver can join."""
+    import platform
+
+    import ray
+
+    from components.env import ray_token_at_hand
+
+    error = found.get("error")
+    sent = os.environ.get("RAY_AUTH_MODE") == "token" and ray_token_at_hand()
+    if error == "AuthenticationError" and not sent:
+        why = "RAY_AUTH_MODE=disabled" if os.environ.get("RAY_AUTH_MODE") == "disabled" else "it has none"
+        return (
+            f"RAY_ADDRESS={address}: the cluster requires a Ray auth token and this process sends none ({why}); "
+            "set RAY_AUTH_TOKEN to the cluster's token (`ray get-auth-token` on its head node prints it) and "
+            "leave RAY_AUTH_MODE unset."
+        )
+    if error == "AuthenticationError":
+        return (
+            f"RAY_ADDRESS={address}: the cluster refused this process's Ray auth token (RAY_AUTH_TOKEN, "
+            "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token); set RAY_AUTH_TOKEN to the one `ray get-auth-token` "
+            "prints on its head node."
+        )
+    if error:
+        return (
+            f"RAY_ADDRESS={address}: the port is open but no Ray GCS answers there ({found['message']}); point "
+            "RAY_ADDRESS at the head node's GCS port (`ray start --head --port`, 6379 by default)."
+        )
+    # Ray's own rule: the same Ray, and the same Python down to the patch level
+    theirs = (found.get("ray_version"), found.get("python_version"))
+    ours = (ray.__version__, platform.python_version())
+    if found and theirs != ours:
+        return (
+            f"RAY_ADDRESS={address}: the cluster runs Ray {theirs[0]} on Python {theirs[1]}, this environment "
+            f"Ray {ours[0]} on Python {ours[1]}; a driver must match: install ray=={theirs[0]} on Python "
+            f"{theirs[1]} here, or start the cluster from this environment."
+        )
     return None
 
 

@@ -463,7 +463,7 @@ class Placement:
         e, t = cfg.engine, cfg.trainer
         return cls(
             num_workers=t.num_workers,
-            min_workers=t.min_workers,
+            min_workers=t.num_workers if t.min_workers is None else t.min_workers,
             worker_resources=dict(t.worker_resources),
             rollout_placement=t.rollout_placement,
             separate_reference=algo.needs_reference and t.ref_placement == "separate",

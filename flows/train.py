@@ -154,7 +154,13 @@ def iteration(run: Run) -> dict[str, float]:
         m_actor, run.version = update_policy(workers, batch)  # its own timing_s/update_actor, _weights
     else:
         m_actor = {**update_policy(workers, batch, push=False)[0], **push_after_ahead(run, train_start)}
-    metrics = {**m_reward, **m_adv, **m_critic, **m_actor}
+    metrics = {
+        **m_reward,
+        **m_adv,
+        **m_critic,
+        **m_actor,
+        "workers/policy": float(len(workers.policy.actors)),
+    }
     if it % plan.test_interval == 0 or it == plan.iterations:
         samples: list[dict] = []
         with timer.timed("testing"):

@@ -125,7 +125,7 @@ def parallel_problems(cfg: Config, responses: int) -> list[str]:
             f"one worker, but trainer.num_workers={n}, engine.type={cfg.engine.type}; set "
             "trainer.rollout_placement=separate (or auto)."
         )
-    if t.min_workers > n:
+    if t.min_workers is not None and t.min_workers > n:
         problems.append(f"trainer.min_workers={t.min_workers} is above trainer.num_workers={n}; lower it.")
     return problems
 

@@ -568,11 +568,12 @@ class TrainerConfig(Section):
         "them, and finishes its samples with them (flagged partial_rollout; async/partial_samples). Where "
         "updates land depends on timing: a run is no longer reproducible bit for bit",
     )
-    min_workers: int = Field(
-        1,
+    min_workers: int | None = Field(
+        None,
         ge=1,
-        description="a rebuilt group may shrink to this many workers when the "
-        "cluster lost resources (the global batch is kept)",
+        description="the fewest policy workers a run may start or rebuild with when the cluster has no room "
+        "for trainer.num_workers (the global batch is kept; workers/policy logs the count); unset: exactly "
+        "trainer.num_workers, else an error before training",
     )
     grad_compression: Literal["auto", "none", "fp16", "powersgd"] = Field(
         "auto", description="DDP gradient all-reduce: auto picks from the measured bandwidth"

@@ -39,7 +39,8 @@ def ensure_ray(warm_workers: bool = False) -> None:
     address = os.environ.get("RAY_ADDRESS")
     if address:
         runtime_env = {"env_vars": WORKER_ENV, "py_modules": [str(PROJECT_ROOT / "components")]}
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        # Ray's INFO lines (connecting, connected, the code package pushed) are not the user's business
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, logging_level=logging.WARNING)
     else:
         # the local instance's processes inherit this environment; a runtime_env would keep the run's actors
         # off the warmed workers (Ray starts workers of another environment for them)

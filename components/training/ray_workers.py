@@ -22,7 +22,7 @@ import ray
 import torch
 
 from components.batch import Batch
-from components.errors import ReinforgeError, RewardError
+from components.errors import ReinforgeError, ResourceError, RewardError
 from components.plan import RunPlan
 from components.rewards.scorer import RewardScorer
 from components.rollout.pool import FAILURES, EnginePool
@@ -353,9 +353,9 @@ class Workers:
 
 
 def workers_that_fit(plan: RunPlan) -> int:
-    """trainer.num_workers, or fewer when the cluster no longer has the resources for them (a node lost):
-    the largest count that fits and still splits the batch and mini-batches evenly. Error below
-    trainer.min_workers."""
+    """trainer.num_workers, or, when the cluster has no room for them (too small, or a node lost) and
+    trainer.min_workers allows fewer, the largest count that fits and still splits the batch and mini-batches
+    evenly. ResourceError below trainer.min_workers (unset: trainer.num_workers)."""
     placement, responses = plan.placement, plan.batch_size * plan.sampling.n
     mini_batch = plan.policy.update.loop.mini_batch_size
     need = {k: v for k, v in placement.worker_resources.items() if v > 0}
@@ -380,10 +380,15 @@ def workers_that_fit(plan: RunPlan) -> int:
         0,
     )
     if n < placement.min_workers:
-        raise RuntimeError(
-            f"the Ray cluster has room for {max(fits, 0)} policy workers of {need} "
-            f"(trainer.worker_resources), fewer than trainer.min_workers={placement.min_workers}. "
-            "Add nodes, or lower trainer.num_workers / trainer.min_workers."
+        fewer = (
+            f"trainer.min_workers={placement.min_workers}"
+            if placement.min_workers < placement.num_workers
+            else f"trainer.num_workers={placement.num_workers}"
+        )
+        raise ResourceError(
+            f"the Ray cluster has room for {max(fits, 0)} policy worker(s) of {need} "
+            f"(trainer.worker_resources), fewer than {fewer}. Add nodes, lower trainer.num_workers, or "
+            "set trainer.min_workers to the fewest the run may use."
         )
     return n
 

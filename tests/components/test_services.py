@@ -1,4 +1,5 @@
-"""The Prefect server `reinforge` starts for its run (components/services.py) never outlives the run."""
+"""components/services.py: the Prefect server `reinforge` starts for its run never outlives the run; what a Ray
+cluster's address, token and versions mean for a driver is one line naming the variable and the fix."""
 
 from __future__ import annotations
 
@@ -56,3 +57,64 @@ def test_a_corrupt_or_locked_tracking_store_is_one_line(tmp_path, monkeypatch):
         holder.rollback()
         holder.close()
     check_services(1.0)  # released: fine again
+
+
+def test_what_a_clusters_gcs_says_is_one_line_naming_the_variable_and_the_fix(monkeypatch, tmp_path):
+    import platform
+
+    import ray
+
+    from components.services import gcs_verdict
+
+    address = "10.0.0.1:6379"
+    refused = {"error": "AuthenticationError", "message": "RPC error: InvalidAuthToken"}
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "none"))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    assert "sends none (it has none); set RAY_AUTH_TOKEN" in gcs_verdict(address, refused)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "abc")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert "sends none (RAY_AUTH_MODE=disabled)" in gcs_verdict(address, refused)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert gcs_verdict(address, refused).startswith(
+        f"RAY_ADDRESS={address}: the cluster refused this process's"
+    )
+    ours = {"ray_version": ray.__version__, "python_version": platform.python_version()}
+    assert gcs_verdict(address, ours) is None
+    older = gcs_verdict(address, {**ours, "ray_version": "2.9.0"})
+    assert (
+        f"runs Ray 2.9.0 on Python {platform.python_version()}, this environment Ray {ray.__version__}"
+        in older
+    )
+    assert "install ray==2.9.0" in older
+
+
+def test_a_driver_of_a_cluster_sends_the_token_it_has(monkeypatch, tmp_path):
+    from components.env import local_defaults
+
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "auth_token"))
+    assert "RAY_AUTH_MODE" not in local_defaults()  # no token: Ray's default (no auth) stands
+    (tmp_path / "auth_token").write_text("t0ken")
+    assert local_defaults()["RAY_AUTH_MODE"] == "token"
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert "RAY_AUTH_MODE" not in local_defaults()  # a local instance: Ray turns it on itself
+
+
+def test_a_port_that_is_not_a_ray_gcs_says_so_within_the_timeout():
+    import socket
+    import threading
+    import time
+
+    from components.services import ray_problem
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    threading.Thread(target=lambda: [server.accept() for _ in range(50)], daemon=True).start()
+    started = time.monotonic()
+    why = ray_problem(f"127.0.0.1:{server.getsockname()[1]}", 6.0)
+    assert time.monotonic() - started < 8.0
+    assert "the port is open but no Ray GCS answers there" in why and "RAY_ADDRESS=127.0.0.1:" in why
+    server.close()

@@ -1,12 +1,14 @@
 """The training flow with several policy workers: 2 fsdp workers (the reference policy in an actor of its own)
 learn as 1 worker with a colocated reference does (from the same start, the same rewards at every iteration
-and final weights equal within 1e-4), and an update runs across two Ray nodes started on this machine
-(`ray start --head` + `ray start --address`), one worker on each."""
+and final weights equal within 1e-4), and a cluster of two Ray nodes started on this machine
+(`ray start --head` + `ray start --address`, token auth on) runs an update with one worker on each, and
+`reinforge train` on it (docs/cluster.md)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +25,8 @@ from tests.flows.conftest import sft_ready
 
 pytestmark = pytest.mark.slow
 ITERATIONS = 6
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs" / "arith_grpo.yaml")
 
 
 def scores(root: Path, run_id: str, key: str = "critic/score/mean") -> list[float]:
@@ -83,6 +87,8 @@ def _free_port() -> int:
 
 UPDATE_ACROSS_NODES = textwrap.dedent("""
     import json, sys
+    from components.env import apply_defaults
+    apply_defaults()  # RAY_AUTH_TOKEN given, RAY_AUTH_MODE not: the driver sends the token
     import ray
     from components.validate import load_checked
     from components.plan import make_plan
@@ -124,13 +130,21 @@ def _wait_for(port: int, env: dict, nodes: int = 1, timeout: float = 120) -> Non
     raise TimeoutError(f"the Ray cluster on port {port} did not reach {nodes} nodes")
 
 
-def test_an_update_across_two_ray_nodes(tmp_path, tiny_model_dir, monkeypatch):
-    port = _free_port()
-    env = {
-        **os.environ,
-        "RAY_DEDUP_LOGS": "0",
-        "RAY_AUTH_MODE": "disabled",
-    }  # a token cluster needs RAY_AUTH_TOKEN
+def test_a_token_auth_cluster_of_two_nodes_runs_updates_and_training_and_refuses_what_it_cannot(
+    tmp_path, tiny_model_dir, prefect_api, monkeypatch
+):
+    """Two nodes started as a user starts them (`ray start --head`, `ray start --address`, token auth on, as
+    `ray start` turns it on wherever a token exists): an update runs with one policy worker on each node; a
+    driver given only RAY_AUTH_TOKEN joins; a wrong or missing token, and more workers than the cluster holds,
+    stop `reinforge train` with one line and exit 2 before any training; trainer.min_workers lets the run
+    start with fewer, and it logs how many (workers/policy)."""
+    import json
+    import secrets
+
+    from tests.flows.test_user_data import base_model, jsonl, overrides, string_rows
+
+    port, token = _free_port(), secrets.token_hex(16)
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
     env.pop("RAY_ADDRESS", None)
     # a user's own cluster, started from a shell: not the loopback-only switch of our local instances
     env.pop(RAY_LOOPBACK, None)
@@ -144,11 +158,14 @@ def test_an_update_across_two_ray_nodes(tmp_path, tiny_model_dir, monkeypatch):
         start_new_session=True,
     )
     nodes = [head]
+    address = f"127.0.0.1:{port}"
+    # a driver as a user runs one: the token alone, no RAY_AUTH_MODE
+    driver = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"} | {"RAY_ADDRESS": address}
     try:
         _wait_for(port, env)
         nodes.append(
             subprocess.Popen(
-                [ray_bin, "start", f"--address=127.0.0.1:{port}", *common],
+                [ray_bin, "start", f"--address={address}", *common],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -160,25 +177,78 @@ def test_an_update_across_two_ray_nodes(tmp_path, tiny_model_dir, monkeypatch):
         script.write_text(UPDATE_ACROSS_NODES)
         res = subprocess.run(
             [sys.executable, str(script), str(tiny_model_dir)],
-            cwd=Path(__file__).parents[2],
-            env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "PYTHONPATH": str(Path(__file__).parents[2])},
+            cwd=ROOT,
+            env={**driver, "PYTHONPATH": str(ROOT)},
             capture_output=True,
             text=True,
             timeout=600,
             check=False,
         )
         assert res.returncode == 0, res.stderr[-3000:]
-        import json
-
         out = json.loads(res.stdout.strip().splitlines()[-1])
         assert len(set(out["nodes"])) == 2, out  # one worker on each node
         assert out["grad_norm"] > 0
-        # `reinforge diagnose` reads the cluster's resources: both nodes' CPUs
-        from components.diagnose import describe_resources, ray_cluster_resources
 
-        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-        resources = ray_cluster_resources(f"127.0.0.1:{port}")
+        # `reinforge train` against it: a project of a newcomer's (a base model, a JSONL file)
+        base_model(tmp_path / "base")
+        jsonl(tmp_path / "train.jsonl", string_rows(24))
+        jsonl(tmp_path / "test.jsonl", string_rows(6, start=40))
+        cli = driver | {
+            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlruns.db",
+            "PREFECT_API_URL": prefect_api,
+        }
+
+        def train(*extra: str, **env_changes: str | None) -> tuple[int, str, float]:
+            run_env = {k: v for k, v in (cli | env_changes).items() if v is not None}
+            started = time.monotonic()
+            res = subprocess.run(
+                [str(Path(sys.executable).with_name("reinforge")), "train", "--config", CONFIG]
+                + overrides(tmp_path, *extra),
+                cwd=ROOT,
+                env=run_env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            return res.returncode, res.stderr, time.monotonic() - started
+
+        def one_line(err: str, pattern: str) -> None:
+            assert "Traceback" not in err and err.count("error:") == 1, err[-3000:]
+            assert re.search(pattern, err), err[-3000:]
+            assert "InvalidAuthToken" not in err  # Ray's own retry warnings stay off the terminal
+
+        rc, err, took = train(RAY_AUTH_TOKEN="wrong" + token[5:])
+        assert rc == 2 and took < 30, (rc, took)
+        one_line(err, rf"RAY_ADDRESS={address}: the cluster refused this process's Ray auth token")
+        rc, err, _ = train(RAY_AUTH_TOKEN=None, RAY_AUTH_TOKEN_PATH=str(tmp_path / "no_token"))
+        assert rc == 2
+        one_line(
+            err, r"requires a Ray auth token and this process sends none \(it has none\); set RAY_AUTH_TOKEN"
+        )
+        # 4 CPUs, one of them the rollout engine's: no room for 4 policy workers, and no fewer allowed
+        rc, err, _ = train("trainer.num_workers=4")
+        assert rc == 2
+        one_line(err, r"room for 3 policy worker\(s\) .* fewer than trainer\.num_workers=4\. .*min_workers")
+        assert not list(tmp_path.glob("out/runs/*/checkpoints/iter_*"))  # refused before any training
+        rc, err, _ = train("trainer.num_workers=4", "trainer.min_workers=2")
+        assert rc == 0, err[-3000:]
+        client = MlflowClient(f"sqlite:///{tmp_path}/mlruns.db")
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        (run,) = client.search_runs(experiments, "attributes.status = 'FINISHED'")  # the refused one is not
+        assert [m.value for m in client.get_metric_history(run.info.run_id, "workers/policy")] == [2.0, 2.0]
+        assert "starting 2 policy workers instead of trainer.num_workers=4" in err
+
+        # `reinforge diagnose` reads the cluster's resources (both nodes' CPUs), and says why it cannot
+        from components.diagnose import describe_resources, ray_cluster_resources, ray_resources_check
+
+        for key, value in driver.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("RAY_AUTH_MODE", "token")
+        resources = ray_cluster_resources(address)
         assert describe_resources(resources).startswith("CPU 4, GPU 0, memory "), resources
+        monkeypatch.setenv("RAY_AUTH_TOKEN", "wrong" + token[5:])
+        check = ray_resources_check(address)
+        assert check.status == "fail" and "refused this process's Ray auth token" in check.found, check
     finally:
         _stop_cluster(nodes, port)
 

@@ -1,15 +1,21 @@
 """8. Two nightly runs started together: one trains, the other exits saying why. The one that trains is
 then SIGKILLed mid-training, and the next nightly resumes its run instead of starting over, taking the
-finished data stages from the persisted results (their bodies do not run again)."""
+finished data stages from the persisted results (their bodies do not run again). MLflow is a tracking server
+(`mlflow server --artifacts-destination`), as in production: the runs, the logged model, the registry and
+its alias all go through HTTP, and the artifacts live where the server keeps them (docs/workflows.md)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +24,43 @@ from tests.flows.conftest import latest_checkpoint, run_dir, small_overrides
 pytestmark = pytest.mark.slow
 
 
+@contextmanager
+def mlflow_server(root: Path):
+    """`mlflow server` on a free loopback port, its store in `root`, artifacts proxied (clients upload and
+    download through it, into root/artifacts); yields its URL, stopped after."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port)]
+        + ["--backend-store-uri", f"sqlite:///{root}/server.db", "--workers", "1"]
+        + ["--artifacts-destination", str(root / "artifacts")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2).read()
+                break
+            except OSError:
+                assert server.poll() is None and time.time() < deadline, "mlflow server did not start"
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(30)
+
+
 def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect_api):
+    with mlflow_server(tmp_path / "mlflow") as tracking:
+        two_nightlies(tmp_path, prefect_api, tracking)
+
+
+def two_nightlies(tmp_path: Path, prefect_api: str, tracking: str) -> None:
     # an output directory named like the pipeline: the nightly's lock and its training's are still two locks
     ov = small_overrides(tmp_path, iterations=4) + [
         "trainer.save_interval=1",
@@ -26,7 +68,7 @@ def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect
     ]
     env = {
         **os.environ,
-        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db",
+        "MLFLOW_TRACKING_URI": tracking,
         "PYTHONUNBUFFERED": "1",
         "PREFECT_API_URL": prefect_api,
     }
@@ -71,8 +113,26 @@ def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect
     # the nightly records CPU, memory, disk and network use with its run (trainer.log_system_metrics)
     from mlflow.tracking import MlflowClient
 
-    params = MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(run_id).data.params
-    assert params["trainer.log_system_metrics"] == "True"
+    client = MlflowClient(tracking)
+    run = client.get_run(run_id)
+    assert run.data.params["trainer.log_system_metrics"] == "True"
+    # artifacts went through the server into its destination: no path of the training machine in their URIs
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:/"), run.info.artifact_uri
+    model = client.get_logged_model(result["registry"]["model_id"])
+    assert model.artifact_location.startswith("mlflow-artifacts:/"), model.artifact_location
+    stored = tmp_path / "mlflow" / "artifacts"
+    assert any(p.name == "model.safetensors" for p in stored.rglob("*")), list(stored.rglob("*"))[:20]
+    # the champion, loaded back through HTTP by its alias, answers a prompt
+    import mlflow.pyfunc
+    import pandas as pd
+
+    mlflow.set_tracking_uri(tracking)
+    try:
+        champion = mlflow.pyfunc.load_model("models:/reinforge-arith@champion")
+        out = champion.predict(pd.DataFrame({"prompt": ["2+2="]}), params={"max_new_tokens": 4})
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert len(out["completion"]) == 1 and isinstance(out["completion"][0], str)
 
 
 def promotion_artifacts(api: str) -> list:

@@ -389,22 +389,23 @@ def test_deepspeed_zero_updates_like_one_worker(ray_up, tiny_model_dir, tokenize
     )
 
 
-def test_a_group_shrinks_to_what_the_cluster_holds(ray_up, tiny_model_dir):
+def test_a_group_is_refused_or_shrinks_to_what_the_cluster_holds_as_min_workers_says(ray_up, tiny_model_dir):
+    from components.errors import ResourceError
     from components.training.ray_workers import workers_that_fit
 
-    free = int(ray.cluster_resources()["CPU"]) - 1  # the rollout actor takes one
-    cfg = config(tiny_model_dir, "data.batch_size=16", "engine.n=4", "trainer.num_workers=64")
-    n = workers_that_fit(make_plan(cfg))
-    assert n == max(k for k in range(1, free + 1) if 64 % k == 0)  # fits, and still splits the batch evenly
-    with pytest.raises(RuntimeError, match=r"room for \d+ policy workers .* trainer.min_workers=64"):
-        workers_that_fit(
-            make_plan(
-                config(
-                    tiny_model_dir,
-                    "data.batch_size=16",
-                    "engine.n=4",
-                    "trainer.num_workers=64",
-                    "trainer.min_workers=64",
-                )
-            )
+    def fit(*overrides: str) -> int:
+        return workers_that_fit(
+            make_plan(config(tiny_model_dir, "data.batch_size=16", "engine.n=4", *overrides))
         )
+
+    free = int(ray.cluster_resources()["CPU"]) - 1  # the rollout actor takes one
+    # asked for more than fit, and no fewer allowed: refused, naming the key and the way out
+    with pytest.raises(
+        ResourceError, match=r"room for \d+ policy worker\(s\) .* trainer.num_workers=64\. .*min_workers"
+    ):
+        fit("trainer.num_workers=64")
+    n = fit("trainer.num_workers=64", "trainer.min_workers=1")
+    assert n == max(k for k in range(1, free + 1) if 64 % k == 0)  # fits, and still splits the batch evenly
+    with pytest.raises(ResourceError, match=r"room for \d+ policy worker\(s\) .* trainer.min_workers=63\. "):
+        fit("trainer.num_workers=64", "trainer.min_workers=63")
+    assert fit("trainer.num_workers=2") == 2  # what fits is given as asked
