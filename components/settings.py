@@ -457,6 +457,7 @@ class Placement:
     reward_model_batch_size: int = 32
     trust_remote_code: bool = False  # actor.model.trust_remote_code: for the reward model's directory too
     overlap: bool = False  # an asynchronous mode: the engine samples while the policy updates
+    rollout_resources: dict = field(default_factory=dict)  # custom resources of each engine actor
 
     @classmethod
     def from_config(cls, cfg: Config, algo: ResolvedAlgorithm) -> Placement:
@@ -465,6 +466,7 @@ class Placement:
             num_workers=t.num_workers,
             min_workers=t.num_workers if t.min_workers is None else t.min_workers,
             worker_resources=dict(t.worker_resources),
+            rollout_resources=dict(t.rollout_resources),
             rollout_placement=t.rollout_placement,
             separate_reference=algo.needs_reference and t.ref_placement == "separate",
             num_engines=e.num_engines,

@@ -53,6 +53,11 @@ class Pipeline(BaseModel):
     config: str = Field(description="config file the flow runs with")
     description: str = Field("", description="shown in the Prefect UI")
     schedule: Schedule | None = Field(None, description="optional cron schedule")
+    concurrency_limit: int | None = Field(
+        None,
+        ge=1,
+        description="at most this many runs at once; the others wait for a slot (Prefect's own limit)",
+    )
     parameters: dict[str, Any] = Field(default_factory=dict, description="extra flow parameters")
 
 
@@ -143,6 +148,8 @@ def prefect_yaml(pipelines: list[Pipeline]) -> dict[str, Any]:
         }
         if p.schedule:
             d["schedules"] = [{"cron": p.schedule.cron, "timezone": p.schedule.timezone}]
+        if p.concurrency_limit:
+            d["concurrency_limit"] = p.concurrency_limit
         deployments.append(d)
     import prefect
 
@@ -159,39 +166,52 @@ def prefect_yaml_text(pipelines: list[Pipeline]) -> str:
     return header + yaml.safe_dump(prefect_yaml(pipelines), sort_keys=False, width=100)
 
 
-def to_deployments(pipelines: list[Pipeline]) -> list:
-    """RunnerDeployments for `prefect.serve` (in-process, no work pool needed)."""
-    out = []
-    for p in pipelines:
-        kwargs = {"schedule": schedule_of(p)} if p.schedule else {}
-        out.append(
-            flow_of(p).to_deployment(
-                name=p.name,
-                version=p.version,
-                description=p.description,
-                parameters=parameters_of(p),
-                tags=[f"pipeline:{p.name}"],
-                **kwargs,
-            )
-        )
+def deployment_options(p: Pipeline) -> dict[str, Any]:
+    """What every way of deploying `p` gives Prefect: name, version, description, parameters, tags, and the
+    schedule and concurrency limit it has."""
+    out = {
+        "name": p.name,
+        "version": p.version,
+        "description": p.description,
+        "parameters": parameters_of(p),
+        "tags": [f"pipeline:{p.name}"],
+    }
+    if p.schedule:
+        out["schedule"] = schedule_of(p)
+    if p.concurrency_limit:
+        out["concurrency_limit"] = p.concurrency_limit
     return out
 
 
-def deploy(pipelines: list[Pipeline], mode: str = "serve", work_pool: str | None = None) -> list[str]:
-    """serve: register and run them in this process; apply: register only; work_pool: deploy to that pool."""
+def to_deployments(pipelines: list[Pipeline]) -> list:
+    """RunnerDeployments for `prefect.serve` (in-process, no work pool needed)."""
+    return [flow_of(p).to_deployment(**deployment_options(p)) for p in pipelines]
+
+
+def source_of(source: str | None, branch: str | None = None):
+    """Where a work pool's worker gets the code: a git repository it clones (a URL; `branch`, else the
+    repository's default), or, with no source, this checkout's directory (a worker on this machine)."""
+    if not source:
+        return str(PROJECT_ROOT)
+    from prefect.runner.storage import GitRepository
+
+    return GitRepository(url=source, branch=branch, pull_interval=None)
+
+
+def deploy(
+    pipelines: list[Pipeline],
+    mode: str = "serve",
+    work_pool: str | None = None,
+    source: str | None = None,
+    branch: str | None = None,
+) -> list[str]:
+    """serve: register and run them in this process; apply: register only; work_pool: deploy to that pool,
+    its workers taking the code from `source` (a git URL) or from this checkout."""
     names = [f"{flow_of(p).name}/{p.name}" for p in pipelines]
     if work_pool:
         for p in pipelines:
-            src = flow_of(p).from_source(source=str(PROJECT_ROOT), entrypoint=entrypoint(p))
-            src.deploy(
-                name=p.name,
-                work_pool_name=work_pool,
-                version=p.version,
-                parameters=parameters_of(p),
-                schedule=schedule_of(p) if p.schedule else None,
-                build=False,
-                push=False,
-            )
+            src = flow_of(p).from_source(source=source_of(source, branch), entrypoint=entrypoint(p))
+            src.deploy(work_pool_name=work_pool, build=False, push=False, **deployment_options(p))
         return names
     deployments = to_deployments(pipelines)
     if mode == "apply":

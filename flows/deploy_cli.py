@@ -17,7 +17,11 @@ def main(argv: list[str] | None = None) -> int:
             PREFECT_YAML.write_text(prefect_yaml_text(pipelines))
             print(PREFECT_YAML)
             return 0
-        names = deploy(pipelines, "apply" if a.apply else "serve", a.work_pool)
+        if a.source and not a.work_pool:
+            raise ReinforgeError(
+                "--source: a git repository is for a work pool's workers; add --work-pool NAME"
+            )
+        names = deploy(pipelines, "apply" if a.apply else "serve", a.work_pool, a.source, a.branch)
     except ReinforgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -153,6 +153,12 @@ def deploy() -> argparse.ArgumentParser:
     p.add_argument("--apply", action="store_true", help="register the deployments and exit (no serving)")
     p.add_argument("--work-pool", help="deploy to this Prefect work pool instead of serving in-process")
     p.add_argument(
+        "--source",
+        help="with --work-pool: the git repository (URL) the pool's workers clone the code from, so a worker on "
+        "another machine runs this commit's code (default: this checkout's directory, for a worker here)",
+    )
+    p.add_argument("--branch", help="with --source: the branch to clone (default: the repository's)")
+    p.add_argument(
         "--write-prefect-yaml",
         action="store_true",
         help="write Prefect's own deployment file (prefect.yaml, for `prefect deploy --all`) and exit",

@@ -208,23 +208,31 @@ def restore(run: Run) -> None:
     run.version, run.iteration = sync_weights(run.workers), run.state["iteration"] + 1
 
 
-def recover(run: Run, exc: Exception, rebuilds: int) -> None:
-    """A worker died for good (a policy actor is never restarted by Ray, a hung call was killed): new workers
-    from this run's last checkpoint (or its start), then on from there; steps already logged stay once. Any
-    other error, or more than trainer.max_worker_rebuilds, ends the run."""
-    if not is_transient(exc) or rebuilds > run.plan.max_worker_rebuilds:
-        raise exc
-    logger().warning(
-        "iteration %d: a worker died (%s); rebuilding from the last checkpoint (%d/%d)",
-        *(run.iteration, type(exc).__name__, rebuilds, run.plan.max_worker_rebuilds),
-    )
-    run.stop_workers()
-    run.workers = run.start_workers(run.plan)
+def recover(run: Run, exc: Exception, rebuilds: int) -> int:
+    """A worker died for good (a policy actor is never restarted by Ray, a hung call was killed, its node was
+    lost): new workers from this run's last checkpoint (or its start), then on from there; steps already
+    logged stay once. A rebuild that fails the same way (a lost node's resources still counted until Ray
+    marks it dead) is tried again; any other error, or more than trainer.max_worker_rebuilds, ends the run.
+    Returns the rebuilds made so far."""
+    while True:
+        if not is_transient(exc) or rebuilds > run.plan.max_worker_rebuilds:
+            raise exc
+        logger().warning(
+            "iteration %d: a worker died (%s); rebuilding from the last checkpoint (%d/%d)",
+            *(run.iteration, type(exc).__name__, rebuilds, run.plan.max_worker_rebuilds),
+        )
+        run.stop_workers()
+        try:
+            run.workers = run.start_workers(run.plan)
+            break
+        except Exception as again:  # noqa: BLE001 - judged at the top: transient, or the end of the run
+            exc, rebuilds = again, rebuilds + 1
     if run.plan.async_mode != "sync":  # the checkpoint's rollouts sampled ahead replace those in flight, and
         run.scored = None  # the iteration's own is among them (or sampled again): the sampler stays in step
     if run.checkpoint is not None:
         checkpoints.verify(Path(run.checkpoint))
     restore(run)
+    return rebuilds
 
 
 def train(run: Run, starting: StartingWorkers, started: float) -> dict:
@@ -246,8 +254,7 @@ def train(run: Run, starting: StartingWorkers, started: float) -> dict:
                 with for_iteration(run.iteration):  # the task runs' names: gen[it=12], ...
                     metrics = iteration(run)
             except Exception as exc:
-                rebuilds += 1
-                recover(run, exc, rebuilds)
+                rebuilds = recover(run, exc, rebuilds + 1)
                 continue
             run.history.append({"step": run.iteration, **metrics})
             advance(info=f"reward {metrics['critic/score/mean']:.3f}")

@@ -541,6 +541,12 @@ class TrainerConfig(Section):
         {"CPU": 1.0},
         description="Ray resources of each policy worker: CPU, GPU, or a custom name such as NPU",
     )
+    rollout_resources: dict[str, float] = Field(
+        {},
+        description="custom Ray resources of each rollout engine in an actor of its own "
+        "(rollout_placement=separate), e.g. {rollout: 1} for the nodes started with `ray start "
+        "--resources='{\"rollout\": 4}'`; its CPU and GPU follow engine.type and engine.num_gpus",
+    )
     ref_placement: Literal["colocate", "separate"] = Field(
         "colocate", description="reference policy on the policy workers, or in an actor of its own"
     )

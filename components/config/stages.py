@@ -132,6 +132,7 @@ STAGES: dict[str, StageKeys] = {
             "trainer.data_parallel_size",
             "trainer.zero_stage",
             "trainer.worker_resources",
+            "trainer.rollout_resources",
             "trainer.min_workers",
             "trainer.grad_compression",
             "trainer.compression_fp16_below_gbps",

@@ -6,18 +6,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
 
 def reward_curve(history: list[dict], out: str | Path) -> Path:
     """Mean reward per iteration and held-out greedy accuracy where evaluated, as a PNG."""
+    # a Figure of its own, not pyplot's: no GUI backend, no global state, and matplotlib is imported only at
+    # the end of a run (~0.25 s less of every training process's start-up)
+    from matplotlib.figure import Figure
+
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     steps = [h["step"] for h in history]
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    fig = Figure(figsize=(6, 3.5), dpi=100)
+    ax = fig.subplots()
     ax.plot(steps, [h.get("critic/score/mean", float("nan")) for h in history], label="train reward (mean)")
     evals = [(h["step"], h["val/acc"]) for h in history if "val/acc" in h]
     if evals:
@@ -28,7 +28,6 @@ def reward_curve(history: list[dict], out: str | Path) -> Path:
     ax.legend()
     fig.tight_layout()
     fig.savefig(out)
-    plt.close(fig)
     return out
 
 

@@ -61,6 +61,11 @@ class Actors:
     def wait(self, refs: list, what: str) -> list:
         try:
             return self.transport.get(refs, self.timeout_s)
+        except self.transport.task_error as exc:
+            # a collective whose peer died (its node lost) fails on the survivors too, "connection closed by
+            # peer", and Ray raises the first failure in the list: the death is the cause, and what the flow
+            # rebuilds the group from
+            raise self.transport.death_among(refs) or exc from None
         except self.transport.timeout_error:
             for pid in self.pids:
                 kill_tree(pid)
@@ -393,6 +398,19 @@ def workers_that_fit(plan: RunPlan) -> int:
     return n
 
 
+def engines_fit(placement: Placement) -> None:
+    """ResourceError when no node of the cluster has the custom resources the engines ask for: Ray would
+    leave them pending, and the run would wait for them until its stage timeout."""
+    total = ray.cluster_resources()
+    short = {k: v for k, v in placement.rollout_resources.items() if total.get(k, 0.0) < v}
+    if short:
+        raise ResourceError(
+            f"trainer.rollout_resources={placement.rollout_resources}: the Ray cluster has "
+            f"{ {k: total.get(k, 0.0) for k in short} }; start a node that has them (ray start "
+            "--resources='{...}'), or change trainer.rollout_resources."
+        )
+
+
 def _split_resources(resources: dict) -> tuple[float, float, dict | None]:
     res = dict(resources)
     return res.pop("CPU", 0.0), res.pop("GPU", 0.0), res or None
@@ -412,10 +430,15 @@ def start_policy_group(
         .remote(settings)
         for cls in classes
     ]
-    addr, port = ray.get(actors[0].address.remote())
-    backend = "nccl" if num_gpus else "gloo"
-    specs = [GroupSpec(rank, n, addr, port, backend) for rank in range(n)]
-    pids = ray.get([a.setup.remote(spec) for a, spec in zip(actors, specs)])  # surface start-up errors here
+    try:
+        addr, port = ray.get(actors[0].address.remote())
+        backend = "nccl" if num_gpus else "gloo"
+        specs = [GroupSpec(rank, n, addr, port, backend) for rank in range(n)]
+        pids = ray.get([a.setup.remote(spec) for a, spec in zip(actors, specs)])  # surface start-up errors
+    except Exception:
+        # one failed (its node lost as it started, or a bad model): the others must not keep their resources
+        RAY.kill(actors, [])
+        raise
     p = settings.parallel
     return PolicyGroup(actors, pids, timeout_s, p.tensor_parallel_size * p.pipeline_parallel_size)
 
@@ -433,7 +456,13 @@ def start_engine(settings: RolloutSettings, placement: Placement):
     cpus = 1.0 / placement.num_engines if settings.engine_type == "hf" else 1.0
     # partial rollouts: updates run in a thread of their own, so one reaches the engine mid-rollout
     groups = {"concurrency_groups": {UPDATES: 1}} if settings.partial else {}
-    actor_class = ray.remote(num_cpus=cpus, num_gpus=placement.engine_gpus, max_restarts=3, **groups)
+    actor_class = ray.remote(
+        num_cpus=cpus,
+        num_gpus=placement.engine_gpus,
+        resources=placement.rollout_resources or None,  # a custom resource: the nodes that have it
+        max_restarts=3,
+        **groups,
+    )
     return actor_class(RolloutWorker).remote(
         settings.model_path,
         settings.engine_type,
@@ -461,6 +490,8 @@ def start_workers(plan: RunPlan) -> Workers:
             p.num_workers,
         )
     colocated = p.colocated(n, plan.rollout.engine_type)
+    if not colocated:
+        engines_fit(p)
     policy = start_policy_group(plan.policy, p, n, colocated, timeout)
     if colocated:
         rollout = RolloutGroup(policy.actors[:1], policy.pids[:1], timeout, colocated=True)

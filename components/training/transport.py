@@ -2,13 +2,15 @@
 (`LocalActor`), so the flow's logic (staleness, dynamic sampling, rebuilds) runs through the same typed groups
 in a test that takes seconds.
 
-A transport answers four questions the groups ask: wait for these calls, put a value where every worker can
-read it, stop these actors, and which processes they run in.
+A transport answers five questions the groups ask: wait for these calls, which of them failed because their
+actor died (a collective fails on the survivors too), put a value where every worker can read it, stop these
+actors, and which processes they run in.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import ray
 
@@ -33,9 +35,26 @@ class RayTransport:
     """Ray actors: calls are object refs, waited for with a timeout; a hung call's processes are killed."""
 
     timeout_error = ray.exceptions.GetTimeoutError
+    task_error = ray.exceptions.RayTaskError
 
     def get(self, refs: list, timeout_s: float | None) -> list:
         return ray.get(refs, timeout=timeout_s)
+
+    def death_among(self, refs: list, timeout_s: float = 30.0) -> Exception | None:
+        """The error of the first of `refs` whose actor died (or is unreachable), as each finishes, waiting up
+        to `timeout_s` in all for Ray to know it; None when none did."""
+        pending, deadline = list(refs), time.monotonic() + timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                return None
+            try:
+                ray.get(ready[0], timeout=0)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                return exc
+            except Exception:  # noqa: BLE001 - this call's own failure: not a death
+                continue
+        return None
 
     def put(self, value):
         return ray.put(value)
@@ -59,9 +78,13 @@ class LocalTransport:
     """Worker objects in this process: a call runs when it is made, and its result is its own reference."""
 
     timeout_error = _Never
+    task_error = _Never
 
     def get(self, refs: list, timeout_s: float | None) -> list:
         return list(refs)
+
+    def death_among(self, refs: list) -> None:
+        return None
 
     def put(self, value):
         return value

@@ -102,6 +102,7 @@ def sft_ready(
     from flows.data import data_flow
     from flows.sft import sft_flow
 
+    before = os.environ.get("MLFLOW_TRACKING_URI")  # an enclosing sft_ready's (a module fixture's), restored
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlruns.db"
     ov = small_overrides(root, iterations) + list(extra)
     # the data and SFT model depend only on the config and its data./sft. keys: made once per session for
@@ -118,7 +119,10 @@ def sft_ready(
                 shutil.copytree(made / d, Path(root) / d, dirs_exist_ok=True)
         yield ov
     finally:
-        os.environ.pop("MLFLOW_TRACKING_URI")
+        if before is None:
+            os.environ.pop("MLFLOW_TRACKING_URI")
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = before
 
 
 # what data_flow and sft_flow write under a root (small_overrides' paths), and the roots that hold them

@@ -78,7 +78,8 @@ class Started:
 @flow(name="flow-logic")
 def run_locally(ov: list[str], fail: dict | None = None) -> dict:
     """The training flow's train() on workers in this process; `fail` = {"iteration": k, "times": n}: the
-    policy update of iteration k raises a transient failure (a hung call killed) its first n times."""
+    policy update of iteration k raises a transient failure (a hung call killed) its first n times; with
+    "rebuilds_failing": m, the first m rebuilds fail as they start (a node lost as the group starts)."""
     cfg = load_checked("configs/arith_grpo.yaml", ov)
     plan = make_plan(cfg)
     tokenizer = load_tokenizer(cfg.actor.model.path)
@@ -88,8 +89,11 @@ def run_locally(ov: list[str], fail: dict | None = None) -> dict:
     starts: list[int] = []
 
     def start(plan):
-        workers = start_local_workers(plan)
         starts.append(1)
+        if fail and len(starts) > 1 and fail.get("rebuilds_failing", 0) > 0:
+            fail["rebuilds_failing"] -= 1
+            raise ConnectionError("injected: a node lost as the group started")
+        workers = start_local_workers(plan)
         if fail:
             real = workers.policy.update
 

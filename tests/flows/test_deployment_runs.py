@@ -1,11 +1,13 @@
 """The deployment quick start, as the README writes it, on a real Prefect server: `reinforge deploy` serves the
-pipelines, `prefect deployment run` triggers one, and Prefect's own `prefect deploy --all` reads prefect.yaml.
+pipelines, `prefect deployment run` triggers one, and Prefect's own `prefect deploy --all` reads prefect.yaml;
+and production's shape: a work pool's worker runs deployments cloned from git, one at a time.
 
 A training deployment runs again with its own defaults (each run trains a new run: trainer.when_finished=retrain
 is in its parameters), and a run that fails on a user's error says so in one line of its logs, no traceback."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +28,18 @@ def flow_run_of(client, deployment: str, parameters: dict | None = None):
     """Trigger `deployment` as `prefect deployment run` does; its flow run id."""
     d = client.read_deployment_by_name(deployment)
     return client.create_flow_run_from_deployment(d.id, parameters=parameters or {}).id
+
+
+def prefect_deployment_run(deployment: str, env: dict):
+    """`prefect deployment run <deployment>`, as a user types it; the id of the flow run it created."""
+    import re
+    from uuid import UUID
+
+    res = subprocess.run(
+        [str(BIN / "prefect"), "deployment", "run", deployment], env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    return UUID(re.search(r"UUID: ([0-9a-f-]{36})", res.stdout).group(1))
 
 
 def final_state(client, run_id, timeout_s: float = 600.0):
@@ -91,17 +105,18 @@ def _deployment(client, name):
         return None
 
 
-def test_a_training_deployment_runs_twice_with_its_own_defaults(served):
+def test_a_served_training_deployment_runs(served):
+    """The README's quick start completes a run; a second run of a deployment trains a run of its own:
+    test_a_work_pools_worker_runs_a_deployment_cloned_from_git_one_run_at_a_time."""
     from mlflow.tracking import MlflowClient
 
     client, root, _ = served
-    states = [final_state(client, flow_run_of(client, "rl-train/small")) for _ in range(2)]
-    assert [s.type.value for s in states] == ["COMPLETED", "COMPLETED"], [s.message for s in states]
-    runs = sorted(p.name for p in (root / "grpo" / "runs").iterdir())
-    assert len(runs) == 2  # the second trained a new run beside the first, from the start
+    state = final_state(client, flow_run_of(client, "rl-train/small"))
+    assert state.type.value == "COMPLETED", state.message
+    assert len(list((root / "grpo" / "runs").iterdir())) == 1
     store = MlflowClient(f"sqlite:///{root}/m.db")
     mlflow_runs = store.search_runs([store.get_experiment_by_name("e2e").experiment_id])
-    assert len(mlflow_runs) == 2 and {r.info.status for r in mlflow_runs} == {"FINISHED"}
+    assert [r.info.status for r in mlflow_runs] == ["FINISHED"]
 
 
 def test_a_failed_run_says_why_in_one_line(served):
@@ -141,3 +156,77 @@ def test_prefect_deploy_reads_prefect_yaml(prefect_api):
             assert d.version == p.version and [s.schedule.cron for s in d.schedules] == (
                 [p.schedule.cron] if p.schedule else []
             )
+            limit = d.global_concurrency_limit.limit if d.global_concurrency_limit else None
+            assert limit == p.concurrency_limit  # the nightly's 1: two never train at once
+
+
+def test_a_work_pools_worker_runs_a_deployment_cloned_from_git_one_run_at_a_time(tmp_path, prefect_api):
+    """Production's shape: a process work pool, `reinforge deploy --work-pool --source <git URL>` (code a worker
+    on another machine could clone, not a path of this one), and `prefect worker start` in another directory.
+    Two runs of a pipeline limited to one at a time (the nightly's concurrency_limit: 1): never both running,
+    both completed by the worker from its clone."""
+    import time
+
+    from prefect import get_client
+
+    bare = tmp_path / "reinforge.git"  # the committed code, as a git server holds it
+    res = subprocess.run(
+        ["git", "clone", "-q", "--bare", str(ROOT), str(bare)], capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr
+    with sft_ready(tmp_path / "data") as ov:
+        pipeline = {
+            "name": "from-git",
+            "version": "0.1.0",
+            "flow": "train",
+            "config": "configs/arith_grpo.yaml",
+            "concurrency_limit": 1,
+            "parameters": {"overrides": ov},
+        }
+        (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": [pipeline]}))
+        env = {**os.environ, "PREFECT_API_URL": prefect_api}
+        for cmd in (
+            [str(BIN / "prefect"), "work-pool", "create", "gitpool", "--type", "process", "--overwrite"],
+            [str(BIN / "reinforge"), "deploy", "--file", str(tmp_path / "pipelines.yaml")]
+            + ["--work-pool", "gitpool", "--source", f"file://{bare}"],
+        ):
+            res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        worker = subprocess.Popen(
+            [str(BIN / "prefect"), "worker", "start", "--pool", "gitpool"],
+            cwd=tmp_path,  # not the checkout: the flow runs from the worker's clone
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            with get_client(sync_client=True) as client:
+                d = client.read_deployment_by_name("rl-train/from-git")
+                assert any(f"file://{bare}" in json.dumps(step) for step in d.pull_steps or []), (
+                    d.pull_steps
+                )  # a git_clone pull step, not a set_working_directory of this machine
+                ids = [prefect_deployment_run("rl-train/from-git", env) for _ in range(2)]
+                seen, deadline = [], time.time() + 600
+                while time.time() < deadline:
+                    states = [client.read_flow_run(i).state for i in ids]
+                    seen.append([s.type.value for s in states])
+                    if all(s.is_final() for s in states):
+                        break
+                    time.sleep(0.5)
+                runs = [client.read_flow_run(i) for i in ids]
+        finally:
+            os.killpg(worker.pid, signal.SIGTERM)
+            worker.wait(60)
+    assert [r.state.type.value for r in runs] == ["COMPLETED", "COMPLETED"], [r.state.message for r in runs]
+    assert all(r.work_pool_name == "gitpool" for r in runs)
+    # with the deployment's own defaults (trainer.when_finished=retrain), the second trained a new run beside
+    # the first, from the start, and each is one finished MLflow run
+    from mlflow.tracking import MlflowClient
+
+    assert len(list((tmp_path / "data" / "grpo" / "runs").iterdir())) == 2
+    store = MlflowClient(f"sqlite:///{tmp_path}/data/mlruns.db")
+    mlflow_runs = store.search_runs([store.get_experiment_by_name("e2e").experiment_id])
+    assert [r.info.status for r in mlflow_runs] == ["FINISHED", "FINISHED"]
+    assert ["RUNNING", "RUNNING"] not in seen, seen  # never both at once
+    assert ["RUNNING", "SCHEDULED"] in seen or ["SCHEDULED", "RUNNING"] in seen, seen  # one waited its turn

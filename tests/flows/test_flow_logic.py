@@ -124,6 +124,21 @@ def test_a_worker_lost_mid_iteration_is_rebuilt_from_the_checkpoint_to_the_same_
     assert same(info, reference)
 
 
+def test_a_rebuild_that_fails_as_it_starts_is_tried_again_and_counted(root, tiny_model_dir, sync):
+    """A node lost mid-run: the rebuild's first start fails too (Ray still counts the dead node's resources),
+    the next one takes; each try counts toward trainer.max_worker_rebuilds, and the run ends on the
+    uninterrupted model. One try fewer allowed ends the run with that failure."""
+    fail = {"iteration": 2, "times": 1, "rebuilds_failing": 1}
+    separate = "trainer.rollout_placement=separate"  # as the `sync` run samples
+    ov = overrides(root, "rebuild_retried", tiny_model_dir, separate, "trainer.max_worker_rebuilds=2")
+    info = run_locally(ov, fail=dict(fail))
+    assert info["starts"] == 3 and [h["step"] for h in info["history"]] == [1, 2, 3]
+    assert len(history(info, "critic/score/mean")) == ITERATIONS and same(info, sync)
+    ov = overrides(root, "rebuild_given_up", tiny_model_dir, separate, "trainer.max_worker_rebuilds=1")
+    with pytest.raises(ConnectionError, match="node lost as the group started"):
+        run_locally(ov, fail=dict(fail))
+
+
 def test_more_failures_than_trainer_max_worker_rebuilds_end_the_run(root, tiny_model_dir):
     ov = overrides(root, "gives_up", tiny_model_dir, "trainer.max_worker_rebuilds=1")
     with pytest.raises(StageTimeout, match="injected"):

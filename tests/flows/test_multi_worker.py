@@ -137,9 +137,12 @@ def test_a_token_auth_cluster_of_two_nodes_runs_updates_and_training_and_refuses
     `ray start` turns it on wherever a token exists): an update runs with one policy worker on each node; a
     driver given only RAY_AUTH_TOKEN joins; a wrong or missing token, and more workers than the cluster holds,
     stop `reinforge train` with one line and exit 2 before any training; trainer.min_workers lets the run
-    start with fewer, and it logs how many (workers/policy)."""
+    start with fewer, and it logs how many (workers/policy); custom resources place the policy workers on
+    one node and the engine on the other, and the run ends with the model a single machine trains."""
     import json
     import secrets
+
+    from safetensors.torch import load_file
 
     from tests.flows.test_user_data import base_model, jsonl, overrides, string_rows
 
@@ -151,7 +154,8 @@ def test_a_token_auth_cluster_of_two_nodes_runs_updates_and_training_and_refuses
     ray_bin = str(Path(sys.executable).parent / "ray")
     common = ["--num-cpus=2", "--block", "--disable-usage-stats"]
     head = subprocess.Popen(
-        [ray_bin, "start", "--head", f"--port={port}", "--include-dashboard=false", *common],
+        [ray_bin, "start", "--head", f"--port={port}", "--include-dashboard=false", *common]
+        + ['--resources={"rollout": 1}'],  # the head samples, the second node trains
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -161,11 +165,12 @@ def test_a_token_auth_cluster_of_two_nodes_runs_updates_and_training_and_refuses
     address = f"127.0.0.1:{port}"
     # a driver as a user runs one: the token alone, no RAY_AUTH_MODE
     driver = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"} | {"RAY_ADDRESS": address}
-    try:
-        _wait_for(port, env)
+
+    def second_node() -> None:
+        """The node that trains: `ray start --address` with a `trainer` resource, until the cluster has two."""
         nodes.append(
             subprocess.Popen(
-                [ray_bin, "start", f"--address={address}", *common],
+                [ray_bin, "start", f"--address={address}", *common, '--resources={"trainer": 2}'],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -173,6 +178,10 @@ def test_a_token_auth_cluster_of_two_nodes_runs_updates_and_training_and_refuses
             )
         )
         _wait_for(port, env, nodes=2)
+
+    try:
+        _wait_for(port, env)
+        second_node()
         script = tmp_path / "update.py"
         script.write_text(UPDATE_ACROSS_NODES)
         res = subprocess.run(
@@ -230,13 +239,28 @@ def test_a_token_auth_cluster_of_two_nodes_runs_updates_and_training_and_refuses
         assert rc == 2
         one_line(err, r"room for 3 policy worker\(s\) .* fewer than trainer\.num_workers=4\. .*min_workers")
         assert not list(tmp_path.glob("out/runs/*/checkpoints/iter_*"))  # refused before any training
-        rc, err, _ = train("trainer.num_workers=4", "trainer.min_workers=2")
+        # placed by custom resources: the policy workers where `trainer` is (2 of them fit), the engine where
+        # `rollout` is; min_workers lets the run start with the 2
+        separate = ("trainer.rollout_placement=separate", "trainer.rollout_resources={rollout: 1}")
+        placed = ("trainer.worker_resources={CPU: 1, trainer: 1}", *separate)
+        rc, err, _ = train("trainer.num_workers=4", "trainer.min_workers=2", *placed)
         assert rc == 0, err[-3000:]
         client = MlflowClient(f"sqlite:///{tmp_path}/mlruns.db")
         experiments = [e.experiment_id for e in client.search_experiments()]
         (run,) = client.search_runs(experiments, "attributes.status = 'FINISHED'")  # the refused one is not
         assert [m.value for m in client.get_metric_history(run.info.run_id, "workers/policy")] == [2.0, 2.0]
         assert "starting 2 policy workers instead of trainer.num_workers=4" in err
+        where = placements(driver | {"RAY_AUTH_MODE": "token"})  # a plain Ray driver needs the mode too
+        assert where["PolicyWorker"] == ["trainer", "trainer"] and where["RolloutWorker"] == ["rollout"], (
+            where
+        )
+        # the same run on one machine's local instance ends with the same model
+        local = {"RAY_ADDRESS": None, "RAY_AUTH_TOKEN": None}
+        rc, err, _ = train(
+            "trainer.num_workers=2", separate[0], f"trainer.output_dir={tmp_path}/local", **local
+        )
+        assert rc == 0, err[-3000:]
+        assert_same_final(tmp_path / "out", tmp_path / "local", 1e-5)
 
         # `reinforge diagnose` reads the cluster's resources (both nodes' CPUs), and says why it cannot
         from components.diagnose import describe_resources, ray_cluster_resources, ray_resources_check
@@ -249,8 +273,90 @@ def test_a_token_auth_cluster_of_two_nodes_runs_updates_and_training_and_refuses
         monkeypatch.setenv("RAY_AUTH_TOKEN", "wrong" + token[5:])
         check = ray_resources_check(address)
         assert check.status == "fail" and "refused this process's Ray auth token" in check.found, check
+
+        # the second node lost (its raylet and workers SIGKILLed) in the middle of a run whose policy workers
+        # span both nodes: the run goes on with one worker from its last checkpoint and ends as a run that
+        # never lost it; then the node comes back and the next run uses it
+        # SGD: 2 workers and then 1 make the same steps as 2 within rounding; Adam's first steps (lr x sign of
+        # the gradient) would turn that rounding into a whole lr on near-zero gradients (as in the test above)
+        lost = ("trainer.num_workers=2", "trainer.iterations=6", "trainer.save_interval=1")
+        lost += ("actor.optimizer.type=sgd", "actor.optimizer.lr=0.5")
+        run = subprocess.Popen(
+            [str(Path(sys.executable).with_name("reinforge")), "train", "--config", CONFIG]
+            + overrides(tmp_path, *lost, "trainer.min_workers=1", f"trainer.output_dir={tmp_path}/lost"),
+            cwd=ROOT,
+            env=cli,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.time() + 300
+        while time.time() < deadline and not list(tmp_path.glob("lost/runs/*/checkpoints/iter_000003")):
+            time.sleep(0.05)
+        os.killpg(nodes[1].pid, signal.SIGKILL)
+        err = run.communicate(timeout=600)[1]
+        assert run.returncode == 0, err[-3000:]
+        assert re.search(
+            r"iteration [45]: a worker died \(\w+\); rebuilding from the last checkpoint", err
+        ), err
+        (state,) = tmp_path.glob("lost/runs/*/checkpoints/iter_000006/state.json")
+        lost_run = json.loads(state.read_text())["mlflow_run_id"]
+        history = client.get_metric_history(lost_run, "critic/score/mean")
+        assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6]  # nothing logged twice
+        used = sorted(client.get_metric_history(lost_run, "workers/policy"), key=lambda m: m.step)
+        used = [m.value for m in used]
+        assert used[:3] == [2.0] * 3 and used[-1] == 1.0, used  # the event, as a metric
+        rc, err, _ = train(*lost, f"trainer.output_dir={tmp_path}/whole", **local)
+        assert rc == 0, err[-3000:]
+        # within rounding, not bit for bit: one worker sums the gradient in another order than two do, and SGD
+        # at lr 0.5 carries that ~1e-7 into the weights (3e-5 measured; the tensor-parallel test above allows
+        # 1e-4 for the same reason), against weights that moved by more than 1e-3
+        assert_same_final(tmp_path / "lost", tmp_path / "whole", 1e-4)
+        (final,) = tmp_path.glob("lost/runs/*/final/model.safetensors")
+        moved, base = load_file(final), load_file(tmp_path / "base" / "model.safetensors")
+        assert max(float((moved[k] - base[k]).abs().max()) for k in moved) > 1e-3
+        second_node()
+        rc, err, _ = train("trainer.num_workers=2", f"trainer.output_dir={tmp_path}/back")
+        assert rc == 0, err[-3000:]  # 2 workers and the engine need both nodes' CPUs: without min_workers
     finally:
         _stop_cluster(nodes, port)
+
+
+PLACEMENTS = textwrap.dedent("""
+    import json, ray
+    ray.init(logging_level="ERROR")  # RAY_ADDRESS
+    nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if k in ("trainer", "rollout")) for n in ray.nodes()}
+    actors = list(ray._private.state.actors().values())
+    last = max(a["JobID"] for a in actors)  # the last run's actors
+    out = {}
+    for a in sorted(actors, key=lambda a: a["ActorClassName"]):
+        if a["JobID"] == last:
+            out.setdefault(a["ActorClassName"], []).extend(nodes[a["Address"]["NodeID"]])
+    print(json.dumps(out))
+""")
+
+
+def placements(env: dict) -> dict[str, list[str]]:
+    """{actor class: the custom resources of the node each of its actors ran on} of the cluster's last job,
+    read from Ray's GCS as a driver of the cluster."""
+    import json
+
+    res = subprocess.run(
+        [sys.executable, "-c", PLACEMENTS], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def assert_same_final(out_a: Path, out_b: Path, tol: float) -> None:
+    """The final models of the runs in output directories `out_a` and `out_b` are equal within `tol`."""
+    from safetensors.torch import load_file
+
+    (a,) = out_a.glob("runs/*/final/model.safetensors")
+    (b,) = out_b.glob("runs/*/final/model.safetensors")
+    wa, wb = load_file(a), load_file(b)
+    assert wa.keys() == wb.keys()
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= tol
 
 
 def _stop_cluster(nodes: list[subprocess.Popen], port: int) -> None:

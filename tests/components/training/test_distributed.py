@@ -409,3 +409,13 @@ def test_a_group_is_refused_or_shrinks_to_what_the_cluster_holds_as_min_workers_
     with pytest.raises(ResourceError, match=r"room for \d+ policy worker\(s\) .* trainer.min_workers=63\. "):
         fit("trainer.num_workers=64", "trainer.min_workers=63")
     assert fit("trainer.num_workers=2") == 2  # what fits is given as asked
+    # engines that ask for a resource no node has would wait for it until the stage timeout: refused at once
+    from components.training.ray_workers import engines_fit
+
+    cfg = config(
+        tiny_model_dir, "trainer.rollout_placement=separate", "trainer.rollout_resources={sampler: 1}"
+    )
+    with pytest.raises(
+        ResourceError, match=r"trainer.rollout_resources=\{'sampler': 1.0\}: the Ray cluster has "
+    ):
+        engines_fit(make_plan(cfg).placement)
