@@ -126,12 +126,15 @@ def two_nightlies(tmp_path: Path, prefect_api: str, tracking: str) -> None:
     import mlflow.pyfunc
     import pandas as pd
 
+    # both: the registry URI is a setting of its own, and an earlier test in this process may have set it
     mlflow.set_tracking_uri(tracking)
+    mlflow.set_registry_uri(tracking)
     try:
         champion = mlflow.pyfunc.load_model("models:/reinforge-arith@champion")
         out = champion.predict(pd.DataFrame({"prompt": ["2+2="]}), params={"max_new_tokens": 4})
     finally:
         mlflow.set_tracking_uri(None)
+        mlflow.set_registry_uri(None)
     assert len(out["completion"]) == 1 and isinstance(out["completion"][0], str)
 
 

@@ -104,7 +104,7 @@ def test_through_ray_an_update_does_not_wait_for_the_rollout_in_flight(tiny_mode
     from components.training.ray_workers import UPDATES, start_engine
 
     settings = RolloutSettings(str(tiny_model_dir), options=EngineOptions(dtype="float32"), partial=True)
-    engine = start_engine(settings, SimpleNamespace(num_engines=1, engine_gpus=0))
+    engine = start_engine(settings, SimpleNamespace(num_engines=1, engine_gpus=0, rollout_resources={}))
     ray.get(engine.health.remote())
     rows = ROWS * 16  # 128 rows x 2 samples of up to 48 tokens: the rollout takes a noticeable while
     gen = engine.generate.remote(rows, SamplingParams(n=2, temperature=1.0, max_new_tokens=48), 0, 1, 0)
