@@ -50,10 +50,12 @@ def role_of(cmdline: str) -> str:
 
 class CpuTimeline(BackgroundSampler):
     """The cumulative CPU seconds (user + system) of a process and each of its descendants, sampled every
-    `interval_s` in a thread while the `with` block runs: samples[i] = (time.time(), {pid: (role, cpu_s)})."""
+    `interval_s` in a thread while the `with` block runs: samples[i] = (time.time(), {pid: (role, cpu_s)}),
+    a descendant's role `role(its command line)`, the process's own `root`."""
 
-    def __init__(self, pid: int, interval_s: float = 0.2):
+    def __init__(self, pid: int, interval_s: float = 0.2, role=role_of, root: str = "driver"):
         self.root, self.interval_s = psutil.Process(pid), interval_s
+        self.role, self.root_role = role, root
         self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
 
     def sample(self) -> None:
@@ -65,7 +67,7 @@ class CpuTimeline(BackgroundSampler):
         for proc in procs:
             try:
                 t = proc.cpu_times()
-                role = "driver" if proc.pid == self.root.pid else role_of(" ".join(proc.cmdline()))
+                role = self.root_role if proc.pid == self.root.pid else self.role(" ".join(proc.cmdline()))
             except psutil.Error:  # ended since the listing
                 continue
             seen[proc.pid] = (role, t.user + t.system)

@@ -31,3 +31,9 @@ class ResourceError(ReinforgeError):
 
 class OutputError(ReinforgeError):
     """An output cannot be written: a full disk, no permission, or a path that is not ours to replace."""
+
+
+class StartAbandoned(ReinforgeError):
+    """The workers of a run that stopped on a user's error while they were starting: killed, their start ends
+    with this. Never reported (the user's error is); a ReinforgeError, so that Prefect's record of the start's
+    task is dropped from the logs as that error's are."""

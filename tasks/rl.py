@@ -77,9 +77,9 @@ def check_vision(cfg: Config, tokenizer) -> None:
 
 
 @stage(name="start-workers")
-def start_workers(plan: RunPlan) -> Workers:
+def start_workers(plan: RunPlan, started: ray_workers.Started | None = None) -> Workers:
     """Start the policy and rollout actors (kept for the whole run)."""
-    return ray_workers.start_workers(plan)
+    return ray_workers.start_workers(plan, started)
 
 
 class StartingWorkers:
@@ -89,16 +89,20 @@ class StartingWorkers:
 
     def __init__(self, plan: RunPlan):
         ray_workers.ensure_ray()  # here: Ray's init must run in the main thread; the actors start in the task's
-        self.future, self.taken = start_workers.submit(plan), False
+        self.started = ray_workers.Started()
+        self.future, self.taken = start_workers.submit(plan, self.started), False
 
     def take(self) -> Workers:
         self.taken = True
         return self.future.result()
 
     def drop(self) -> None:
+        """No run takes the workers: the actors made so far are killed at once, and the start, which then
+        fails at its next wait, is waited for (a second or less) so that nothing outlives the run."""
         if not self.taken:
             self.taken = True
-            # a start that failed: the error that ended the run is the one reported
+            self.started.abandon()
+            # a start that failed or was abandoned: the error that ended the run is the one reported
             with contextlib.suppress(Exception):
                 self.future.result().stop()
 

@@ -6,12 +6,13 @@ import json
 import os
 import tempfile
 from pathlib import Path
-
-import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING
 
 from components.errors import DataError, OutputError
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import pyarrow as pa
 
 
 def regular_file(path: str | Path, key: str, what: str = "a parquet or jsonl file") -> Path:
@@ -44,6 +45,9 @@ def regular_file(path: str | Path, key: str, what: str = "a parquet or jsonl fil
 
 def read_rows(path: str | Path, key: str = "data path") -> pd.DataFrame:
     """Rows of a parquet or jsonl file; a missing, irregular or unreadable file is a DataError naming it."""
+    import pandas as pd  # here, not at the top: a worker writes checkpoints through this module, never rows
+    import pyarrow.parquet as pq
+
     p = regular_file(path, key)
     try:
         if p.suffix in (".jsonl", ".json"):
@@ -87,6 +91,9 @@ def write_atomic(path: str | Path, write) -> Path:
 
 def write_parquet(rows: list[dict], path: str | Path, schema: pa.Schema | None = None) -> Path:
     """Write dict rows as parquet, atomically; deterministic bytes for the same rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     table = pa.Table.from_pylist(rows, schema=schema)
     return write_atomic(path, lambda tmp: pq.write_table(table, tmp))
 

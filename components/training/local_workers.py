@@ -30,14 +30,20 @@ def _group(cls, obj, timeout_s: float, **kwargs):
     return cls(actors, LOCAL.pids(actors), timeout_s, transport=LOCAL, **kwargs)
 
 
+def local_policy_group(plan: RunPlan, colocated: bool = False) -> PolicyGroup:
+    """One policy worker of the plan (a ColocatedWorker, engine inside, if `colocated`) in this process,
+    set up as a group of one: what a one-worker Ray group runs, without its process."""
+    worker = (ColocatedWorker if colocated else PolicyWorker)(plan.policy)
+    worker.setup(GroupSpec(0, 1, "127.0.0.1", 0, "gloo"))
+    return _group(PolicyGroup, worker, plan.placement.stage_timeout_s)
+
+
 def start_local_workers(plan: RunPlan) -> Workers:
     """The plan's workers in this process: one policy worker whatever trainer.num_workers says (a process holds
     one torch.distributed group of one)."""
     p, timeout = plan.placement, plan.placement.stage_timeout_s
     colocated = p.colocated(1, plan.rollout.engine_type)
-    worker = (ColocatedWorker if colocated else PolicyWorker)(plan.policy)
-    worker.setup(GroupSpec(0, 1, "127.0.0.1", 0, "gloo"))
-    policy = _group(PolicyGroup, worker, timeout)
+    policy = local_policy_group(plan, colocated)
     if colocated:
         rollout = RolloutGroup(policy.actors, policy.pids, timeout, colocated=True, transport=LOCAL)
     else:

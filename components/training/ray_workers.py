@@ -22,7 +22,7 @@ import ray
 import torch
 
 from components.batch import Batch
-from components.errors import ReinforgeError, ResourceError, RewardError
+from components.errors import ReinforgeError, ResourceError, RewardError, StartAbandoned
 from components.plan import RunPlan
 from components.rewards.scorer import RewardScorer
 from components.rollout.pool import FAILURES, EnginePool
@@ -411,13 +411,42 @@ def engines_fit(placement: Placement) -> None:
         )
 
 
+class Started:
+    """The actors a start of a run's workers has made so far, recorded as each is made. A start that fails
+    partway kills them (a policy group up and an engine that failed must not keep their resources), and
+    `abandon()`, from the flow that stopped on a bad input while its workers were starting, kills them at once:
+    the start fails at its next wait and starts nothing more, so the run neither waits for the start (~6 s on
+    2 cores) nor leaves an actor behind."""
+
+    def __init__(self):
+        self.actors: list = []
+        self.abandoned = False
+
+    def record(self, *actors):
+        """`actors`, now this start's; killed at once when it was abandoned meanwhile. Returns the first."""
+        self.actors.extend(actors)  # before the check: abandon() kills what it finds after setting the flag
+        if self.abandoned:
+            RAY.kill(list(actors), [])
+            raise StartAbandoned("the run stopped while its workers were starting")
+        return actors[0] if actors else None
+
+    def abandon(self) -> None:
+        self.abandoned = True
+        RAY.kill(list(self.actors), [])
+
+
 def _split_resources(resources: dict) -> tuple[float, float, dict | None]:
     res = dict(resources)
     return res.pop("CPU", 0.0), res.pop("GPU", 0.0), res or None
 
 
 def start_policy_group(
-    settings: PolicySettings, placement: Placement, n: int, colocated: bool, timeout_s: float
+    settings: PolicySettings,
+    placement: Placement,
+    n: int,
+    colocated: bool,
+    timeout_s: float,
+    started: Started | None = None,
 ) -> PolicyGroup:
     """n PolicyWorker actors spread over the cluster, joined into one process group (rank 0's address);
     with `colocated`, rank 0 also serves the rollout engine (ColocatedWorker). The policy workers are not
@@ -430,6 +459,7 @@ def start_policy_group(
         .remote(settings)
         for cls in classes
     ]
+    (started or Started()).record(*actors)
     try:
         addr, port = ray.get(actors[0].address.remote())
         backend = "nccl" if num_gpus else "gloo"
@@ -475,10 +505,21 @@ def start_engine(settings: RolloutSettings, placement: Placement):
     )
 
 
-def start_workers(plan: RunPlan) -> Workers:
+def start_workers(plan: RunPlan, started: Started | None = None) -> Workers:
     """The policy group, the rollout engines (colocated in policy worker 0, or actors of their own), the
-    separate reference and the reward model, as the plan places them."""
+    separate reference and the reward model, as the plan places them. A start that fails partway (or is
+    abandoned: `started`) leaves none of the actors it made."""
+    started = started or Started()
+    try:
+        return _start_workers(plan, started)
+    except BaseException:
+        RAY.kill(list(started.actors), [])
+        if started.abandoned:  # whatever its wait raised once its actors were killed
+            raise StartAbandoned("the run stopped while its workers were starting") from None
+        raise
 
+
+def _start_workers(plan: RunPlan, started: Started) -> Workers:
     ensure_ray()
     p, timeout = plan.placement, plan.placement.stage_timeout_s
     n = workers_that_fit(plan)
@@ -492,11 +533,11 @@ def start_workers(plan: RunPlan) -> Workers:
     colocated = p.colocated(n, plan.rollout.engine_type)
     if not colocated:
         engines_fit(p)
-    policy = start_policy_group(plan.policy, p, n, colocated, timeout)
+    policy = start_policy_group(plan.policy, p, n, colocated, timeout, started)
     if colocated:
         rollout = RolloutGroup(policy.actors[:1], policy.pids[:1], timeout, colocated=True)
     else:
-        engines = [start_engine(plan.rollout, p) for _ in range(p.num_engines)]
+        engines = [started.record(start_engine(plan.rollout, p)) for _ in range(p.num_engines)]
         rollout = RolloutGroup(
             engines,
             ray.get([e.pid.remote() for e in engines]),
@@ -510,23 +551,29 @@ def start_workers(plan: RunPlan) -> Workers:
             p.health_check,
             mid_rollout=plan.rollout.partial,
         )
-    workers = Workers(policy, rollout, start_reward_group(plan.rewards))
+    workers = Workers(policy, rollout, start_reward_group(plan.rewards, started))
     if plan.reference is not None:
-        workers.reference = _start_reference(plan.reference, p, timeout)
+        workers.reference = _start_reference(plan.reference, p, timeout, started)
     if p.reward_model:
-        workers.reward_model = _start_reward_model(p, plan.policy.num_threads, timeout)
+        workers.reward_model = _start_reward_model(p, plan.policy.num_threads, timeout, started)
     return workers
 
 
-def _start_reference(settings: ReferenceSettings, placement: Placement, timeout_s: float) -> ReferenceActor:
+def _start_reference(
+    settings: ReferenceSettings, placement: Placement, timeout_s: float, started: Started
+) -> ReferenceActor:
     num_cpus, num_gpus, res = _split_resources(placement.worker_resources)
-    actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=res, max_restarts=3)(
-        ReferenceWorker
-    ).remote(settings)
+    actor = started.record(
+        ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=res, max_restarts=3)(
+            ReferenceWorker
+        ).remote(settings)
+    )
     return ReferenceActor([actor], [ray.get(actor.pid.remote())], timeout_s)
 
 
-def _start_reward_model(placement: Placement, num_threads: int, timeout_s: float) -> RewardModelActor:
+def _start_reward_model(
+    placement: Placement, num_threads: int, timeout_s: float, started: Started
+) -> RewardModelActor:
     from components.models.loading import check_model_dir
     from components.rewards.reward_model import RewardModelScorer
 
@@ -534,19 +581,23 @@ def _start_reward_model(placement: Placement, num_threads: int, timeout_s: float
     check_model_dir(
         placement.reward_model, "reward_model.path", trust_remote_code=placement.trust_remote_code
     )
-    actor = ray.remote(num_cpus=0, max_restarts=3)(RewardModelScorer).remote(
-        placement.reward_model,
-        placement.reward_model_dtype,
-        placement.reward_model_batch_size,
-        num_threads,
-        trust_remote_code=placement.trust_remote_code,
+    actor = started.record(
+        ray.remote(num_cpus=0, max_restarts=3)(RewardModelScorer).remote(
+            placement.reward_model,
+            placement.reward_model_dtype,
+            placement.reward_model_batch_size,
+            num_threads,
+            trust_remote_code=placement.trust_remote_code,
+        )
     )
     return RewardModelActor([actor], [ray.get(actor.pid.remote())], timeout_s)
 
 
-def start_reward_group(settings: RewardSettings) -> RewardGroup:
+def start_reward_group(settings: RewardSettings, started: Started | None = None) -> RewardGroup:
     """The RewardScorer actor (no CPU of its own: it waits on its scorers, which run in sandboxes or threads).
     A dead process is restarted and the call retried (same inputs, same rewards); an exception is not."""
     ensure_ray()
-    actor = ray.remote(num_cpus=0, max_restarts=3, max_task_retries=3)(RewardScorer).remote()
+    actor = (started or Started()).record(
+        ray.remote(num_cpus=0, max_restarts=3, max_task_retries=3)(RewardScorer).remote()
+    )
     return RewardGroup([actor], [ray.get(actor.pid.remote())], settings.timeout_s, settings.concurrency)

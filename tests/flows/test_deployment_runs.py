@@ -75,6 +75,7 @@ def served(tmp_path_factory, prefect_api):
             )
         )
         env = {**os.environ, "PREFECT_API_URL": prefect_api, "MLFLOW_TRACKING_URI": f"sqlite:///{root}/m.db"}
+        env["PREFECT_RUNNER_POLL_FREQUENCY"] = "2"  # the runner looks for scheduled runs every 2 s, not 10
         proc = subprocess.Popen(
             [str(BIN / "reinforge"), "deploy", "--file", str(pipelines)],
             cwd=ROOT,
@@ -195,7 +196,7 @@ def test_a_work_pools_worker_runs_a_deployment_cloned_from_git_one_run_at_a_time
         worker = subprocess.Popen(
             [str(BIN / "prefect"), "worker", "start", "--pool", "gitpool"],
             cwd=tmp_path,  # not the checkout: the flow runs from the worker's clone
-            env=env,
+            env=env | {"PREFECT_WORKER_QUERY_SECONDS": "2"},  # it asks for runs every 2 s, not 10
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,

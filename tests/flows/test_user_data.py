@@ -179,6 +179,13 @@ def test_bad_input_stops_with_one_line_before_any_run(user_project, prefect_harn
     assert re.search(BAD_INPUTS[make], err), err
     assert "Traceback" not in err and err.count("error:") == 1
     assert no_runs(user_project) and not (user_project / "out").exists()
+    # the workers that started beside the checks were killed, not waited for: none is left
+    from tests.flows.conftest import poll
+
+    left = poll(
+        lambda: descendants("ray::ColocatedWorker") + descendants("ray::RewardScorer"), lambda x: not x, 30
+    )
+    assert not left, left
 
 
 def test_config_mistakes_stop_before_any_flow(tmp_path, capsys):

@@ -51,3 +51,30 @@ def test_colocated_engine_samples_as_a_separate_one_and_follows_updates(ray_up, 
 def test_colocation_needs_one_worker_and_the_hf_engine(tiny_model_dir):
     with pytest.raises(ConfigError, match="trainer.rollout_placement=colocate"):
         config(tiny_model_dir, "trainer.rollout_placement=colocate", "trainer.num_workers=2")
+
+
+def test_a_start_that_fails_or_is_abandoned_partway_leaves_no_actor(ray_up, tiny_model_dir, monkeypatch):
+    """The reward scorer's start fails once the policy group is up: the group's actors go too. A start that
+    the run abandons (it stopped on a bad input) fails at its next wait, and starts nothing more."""
+    from components.errors import StartAbandoned
+    from components.training import ray_workers
+    from tests.conftest import descendants
+    from tests.flows.conftest import poll
+
+    plan = make_plan(config(tiny_model_dir, "trainer.rollout_placement=separate"))
+
+    def fails(*_a, **_k):
+        raise RuntimeError("the reward scorer could not start")
+
+    monkeypatch.setattr(ray_workers, "start_reward_group", fails)
+    with pytest.raises(RuntimeError, match="could not start"):
+        start_workers(plan)
+    titles = ("ray::PolicyWorker", "ray::RolloutWorker")
+    assert poll(lambda: [p for t in titles for p in descendants(t)], lambda left: not left, 30) == []
+
+    started = ray_workers.Started()
+    started.abandon()  # before the first actor: each is killed as it is made, and the start stops there
+    with pytest.raises(StartAbandoned):
+        start_workers(plan, started)
+    assert len(started.actors) == 1  # the policy worker, and nothing after it
+    assert poll(lambda: [p for t in titles for p in descendants(t)], lambda left: not left, 30) == []

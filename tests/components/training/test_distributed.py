@@ -10,6 +10,7 @@ import torch
 
 from components.models import build_tiny_model
 from components.plan import make_plan
+from components.training.local_workers import local_policy_group
 from components.training.loop import balanced_shards
 from components.training.ray_workers import policy_group
 from components.validate import load_checked
@@ -38,14 +39,21 @@ def config(model_dir, *extra: str):
 _ONE_WORKER: dict[tuple[str, int], tuple[dict[str, torch.Tensor], list[dict]]] = {}
 
 
+def group_of(cfg, n: int):
+    """n policy workers of `cfg` as Ray actors; one in this process (a group of one joins no process group:
+    it runs as in an actor of its own, without a process that imports torch again)."""
+    return local_policy_group(make_plan(cfg)) if n == 1 else policy_group(make_plan(cfg), n)
+
+
 def one_update(cfg, tokenizer, n: int, steps: int = 1) -> tuple[dict[str, torch.Tensor], list[dict]]:
     key = (cfg.model_dump_json(), steps)
     if n == 1 and key in _ONE_WORKER:
         return _ONE_WORKER[key]
-    group = policy_group(make_plan(cfg), n)
+    group = group_of(cfg, n)
     try:
         metrics = [group.update(synthetic_batch(tokenizer, seed=s)) for s in range(steps)]
-        weights = ray.get([a.get_weights.remote() for a in group.actors])[0][0]  # every rank joins the gather
+        # every rank joins the gather
+        weights = group.wait([a.get_weights.remote() for a in group.actors], "get_weights")[0][0]
         result = {k: v.clone() for k, v in weights.items()}, metrics
     finally:
         group.stop()
@@ -147,12 +155,12 @@ ADAM = ["actor.optimizer.type=adamw", "actor.optimizer.lr=1e-3"]  # moments a re
 def save_and_reload(cfg, n: int, tokenizer, out) -> tuple[dict[str, torch.Tensor], list[int]]:
     """A group of n: one update, a checkpoint into `out`, loaded back and written again into `out`_again.
     Returns the weights the group serves to the rollout engine and the parameter elements each worker holds."""
-    group = policy_group(make_plan(cfg), n)
+    group = group_of(cfg, n)
     try:
         group.update(synthetic_batch(tokenizer, seed=0))
         group.write_checkpoint(str(out), True)
-        served = ray.get([a.get_weights.remote() for a in group.actors])[0][0]
-        held = ray.get([a.parameter_count.remote() for a in group.actors])
+        served = group.wait([a.get_weights.remote() for a in group.actors], "get_weights")[0][0]
+        held = group.wait([a.parameter_count.remote() for a in group.actors], "parameter_count")
         group.load_checkpoint(str(out))
         group.write_checkpoint(f"{out}_again", True)
     finally:
@@ -162,11 +170,11 @@ def save_and_reload(cfg, n: int, tokenizer, out) -> tuple[dict[str, torch.Tensor
 
 def reload_in_one_worker(cfg, source, out) -> int:
     """One worker loads the checkpoint `source` and writes it into `out`; the parameter elements it holds."""
-    one = policy_group(make_plan(cfg), 1)
+    one = group_of(cfg, 1)
     try:
         one.load_checkpoint(str(source))
         one.write_checkpoint(str(out), True)
-        return ray.get(one.actors[0].parameter_count.remote())
+        return one.wait([one.actors[0].parameter_count.remote()], "parameter_count")[0]
     finally:
         one.stop()
 
@@ -304,7 +312,7 @@ def test_a_sharded_checkpoint_is_written_by_every_worker_and_read_by_any_layout(
     try:
         group.update(synthetic_batch(tokenizer, seed=0))
         group.write_checkpoint(str(tmp_path / "sharded"), True)
-        trained = ray.get([a.get_weights.remote() for a in group.actors])[0][0]
+        trained = group.wait([a.get_weights.remote() for a in group.actors], "get_weights")[0][0]
         group.load_checkpoint(str(tmp_path / "sharded"))
         group.write_checkpoint(str(tmp_path / "sharded_again"), True)
     finally:
@@ -315,7 +323,7 @@ def test_a_sharded_checkpoint_is_written_by_every_worker_and_read_by_any_layout(
     # the full checkpoints these load into: one worker (resharded), and TP2 from its own sharded one
     outs = {}
     for name, n, layout, source in (("one", 1, [], "sharded"), ("tp2", 2, tp, "sharded_again")):
-        g = policy_group(make_plan(config(tiny_model_dir, *common, *layout)), n)
+        g = group_of(config(tiny_model_dir, *common, *layout), n)
         try:
             g.load_checkpoint(str(tmp_path / source))
             g.write_checkpoint(str(tmp_path / f"{name}_full"), True)
