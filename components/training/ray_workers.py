@@ -422,13 +422,13 @@ class Started:
         self.actors: list = []
         self.abandoned = False
 
-    def record(self, *actors):
-        """`actors`, now this start's; killed at once when it was abandoned meanwhile. Returns the first."""
-        self.actors.extend(actors)  # before the check: abandon() kills what it finds after setting the flag
+    def record(self, actor):
+        """`actor`, now this start's; killed at once when the start was abandoned meanwhile."""
+        self.actors.append(actor)  # before the check: abandon() kills what it finds after setting the flag
         if self.abandoned:
-            RAY.kill(list(actors), [])
+            RAY.kill([actor], [])
             raise StartAbandoned("the run stopped while its workers were starting")
-        return actors[0] if actors else None
+        return actor
 
     def abandon(self) -> None:
         self.abandoned = True
@@ -453,13 +453,15 @@ def start_policy_group(
     restarted by Ray: the flow rebuilds the group from the last checkpoint."""
     num_cpus, num_gpus, res = _split_resources(placement.worker_resources)
     classes = [ColocatedWorker if colocated and rank == 0 else PolicyWorker for rank in range(n)]
+    started = started or Started()
     actors = [
-        ray.remote(max_restarts=0)(cls)
-        .options(num_cpus=num_cpus, num_gpus=num_gpus, resources=res, scheduling_strategy="SPREAD")
-        .remote(settings)
+        started.record(
+            ray.remote(max_restarts=0)(cls)
+            .options(num_cpus=num_cpus, num_gpus=num_gpus, resources=res, scheduling_strategy="SPREAD")
+            .remote(settings)
+        )
         for cls in classes
     ]
-    (started or Started()).record(*actors)
     try:
         addr, port = ray.get(actors[0].address.remote())
         backend = "nccl" if num_gpus else "gloo"
