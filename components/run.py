@@ -15,7 +15,7 @@ from components.services import PrefectWatch
 from components.shutdown import stop
 from components.tracking import runs
 from components.tracking.mlflow_tracker import Tracker
-from components.training import ray_workers
+from components.training import backends
 from components.training.ray_workers import Workers
 
 
@@ -36,7 +36,7 @@ class Run:
     sampler: PromptSampler
     kl_ctrl: KLController | None
     ahead: AheadQueue  # asynchronous modes: the rollouts sampled ahead
-    start_workers: Callable[[RunPlan], Workers] = ray_workers.start_workers  # a rebuild's new workers
+    start_workers: Callable[[RunPlan], Workers] = backends.start_workers  # a rebuild's new workers
     workers: Workers | None = None
     version: int = 0  # the weights version the rollout engines sample with
     iteration: int = 1  # the next iteration to run

@@ -194,10 +194,11 @@ def prefect_problem(url: str, timeout_s: float) -> str | None:
     return None
 
 
-def check_services(timeout_s: float = 15.0) -> None:
-    """ServiceError (one line each) for every configured service that does not answer within timeout_s."""
+def check_services(timeout_s: float = 15.0, ray: bool = True) -> None:
+    """ServiceError (one line each) for every configured service that does not answer within timeout_s;
+    RAY_ADDRESS's cluster only when the run's workers are Ray actors (`ray`)."""
     checks = [
-        (ray_problem, "RAY_ADDRESS"),
+        *([(ray_problem, "RAY_ADDRESS")] if ray else []),
         (mlflow_problem, "MLFLOW_TRACKING_URI"),
         (prefect_problem, "PREFECT_API_URL"),
     ]

@@ -458,6 +458,7 @@ class Placement:
     trust_remote_code: bool = False  # actor.model.trust_remote_code: for the reward model's directory too
     overlap: bool = False  # an asynchronous mode: the engine samples while the policy updates
     rollout_resources: dict = field(default_factory=dict)  # custom resources of each engine actor
+    backend: str = "ray"  # trainer.backend: Ray actors, or every worker in the driver's process
 
     @classmethod
     def from_config(cls, cfg: Config, algo: ResolvedAlgorithm) -> Placement:
@@ -481,6 +482,7 @@ class Placement:
             reward_model_batch_size=cfg.reward_model.batch_size,
             trust_remote_code=cfg.actor.model.trust_remote_code,
             overlap=t.async_mode != "sync",
+            backend=t.backend,
         )
 
     def colocated(self, n: int, engine_type: str) -> bool:

@@ -46,19 +46,25 @@ def report(exc: ReinforgeError, debug: bool = False) -> int:
     return 2
 
 
-def check_config(path: str, overrides: list[str], debug: bool = False) -> int:
+def checked_config(path: str, overrides: list[str], debug: bool = False):
     """Validate the config, the custom reward function and the services it names before any flow (or Prefect
-    server) starts: 0 when good, 2 with the message."""
+    server) starts: (0, the config) when good, (2, None) with the message printed."""
+    from components.config.names import RAY_BACKENDS
     from components.rewards.custom import check_custom_reward
     from components.validate import load_checked
 
     try:
         cfg = load_checked(path, overrides)
         check_custom_reward(cfg)
-        check_services(cfg.trainer.connect_timeout_s)
+        check_services(cfg.trainer.connect_timeout_s, ray=cfg.trainer.backend in RAY_BACKENDS)
     except ReinforgeError as exc:
-        return report(exc, debug)
-    return 0
+        return report(exc, debug), None
+    return 0, cfg
+
+
+def check_config(path: str, overrides: list[str], debug: bool = False) -> int:
+    """checked_config's exit code: 0 when good, 2 with the message printed."""
+    return checked_config(path, overrides, debug)[0]
 
 
 TIMESTAMPS = ("created", "started", "finished")  # seconds since the epoch in a result, shown as a date

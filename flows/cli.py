@@ -10,18 +10,21 @@ from flows.parsers import COMMANDS
 
 # the commands that run Prefect flows
 RUN_FLOWS = ("prepare", "clean", "data", "sft", "train", "evaluate", "reward-model", "nightly")
-RUN_RAY = ("train", "nightly")  # those whose workers are Ray actors
+RUN_RAY = ("train", "nightly")  # those whose workers are Ray actors (unless trainer.backend=local)
 
 
 def start_ray_checking_config(args: argparse.Namespace) -> int:
     """Check the config (importing the modules the flow needs, while Prefect's server starts), then start Ray
-    here: its init must run in the main thread. A bad config fails before Ray starts. Returns the check's
-    exit code: 2 when the config is bad (its error printed), 0 when good."""
-    from components.training.cluster import ensure_ray
-    from flows._args import check_config
+    here when the run's workers are Ray actors: its init must run in the main thread. A bad config fails
+    before Ray starts. Returns the check's exit code: 2 when the config is bad (its error printed), 0 when
+    good."""
+    from components.config.names import RAY_BACKENDS
+    from flows._args import checked_config
 
-    failed = check_config(args.config, args.overrides, args.debug)
-    if not failed:
+    failed, cfg = checked_config(args.config, args.overrides, args.debug)
+    if not failed and cfg.trainer.backend in RAY_BACKENDS:
+        from components.training.cluster import ensure_ray
+
         ensure_ray(warm_workers=True)  # one run per process: its actors take the warmed workers
     return failed
 

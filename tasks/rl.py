@@ -9,6 +9,7 @@ import time
 from components.algorithms.shaping import group_counts
 from components.batch import Batch
 from components.config import Config
+from components.config.names import RAY_BACKENDS
 from components.errors import ConfigError
 from components.evaluation import evaluate
 from components.models.loading import check_model_dir, load_image_encoder, load_tokenizer
@@ -27,7 +28,7 @@ from components.rl import (
 from components.rollout.batching import concat_rounds, decode_responses
 from components.seeding import derive_seed
 from components.services import check_services
-from components.training import ray_workers
+from components.training import backends, ray_workers
 from components.training.ray_workers import Workers
 from tasks.common import is_transient, logger, stage
 
@@ -38,7 +39,8 @@ def check_inputs(cfg: Config, needs_critic: bool):
     the policy's tokenizer (loaded as saved, checked) and weights, the critic's and reward model's directories.
     Returns the tokenizer."""
     check_custom_reward(cfg)
-    check_services(cfg.trainer.connect_timeout_s)  # a deployment's run, which no CLI checked
+    # a deployment's run, which no CLI checked
+    check_services(cfg.trainer.connect_timeout_s, ray=cfg.trainer.backend in RAY_BACKENDS)
     trust = cfg.actor.model.trust_remote_code
     tokenizer = load_tokenizer(cfg.actor.model.path, trust_remote_code=trust)
     check_model_dir(cfg.actor.model.path, "actor.model.path", trust_remote_code=trust)
@@ -78,8 +80,8 @@ def check_vision(cfg: Config, tokenizer) -> None:
 
 @stage(name="start-workers")
 def start_workers(plan: RunPlan, started: ray_workers.Started | None = None) -> Workers:
-    """Start the policy and rollout actors (kept for the whole run)."""
-    return ray_workers.start_workers(plan, started)
+    """Start the policy and rollout actors (kept for the whole run), where trainer.backend puts them."""
+    return backends.start_workers(plan, started)
 
 
 class StartingWorkers:
@@ -88,8 +90,8 @@ class StartingWorkers:
     (~2 s of a ~6 s start on 2 cores). The run takes them; drop() stops them when none does."""
 
     def __init__(self, plan: RunPlan):
-        ray_workers.ensure_ray()  # here: Ray's init must run in the main thread; the actors start in the task's
-        self.started = ray_workers.Started()
+        # here: Ray's init must run in the main thread; the actors start in the task's
+        self.started = backends.starting(plan)
         self.future, self.taken = start_workers.submit(plan, self.started), False
 
     def take(self) -> Workers:

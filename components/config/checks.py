@@ -337,6 +337,25 @@ def pipeline_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def local_backend_problems(cfg: Config) -> list[str]:
+    """What trainer.backend=local (every worker in this process) has no room for: several engines, and the
+    health checks that restart an engine's actor."""
+    if cfg.trainer.backend != "local":
+        return []
+    problems = []
+    if cfg.engine.num_engines > 1:
+        problems.append(
+            f"trainer.backend=local runs one rollout engine in this process, not engine.num_engines="
+            f"{cfg.engine.num_engines}. Set engine.num_engines=1, or trainer.backend=ray for several engines."
+        )
+    if cfg.engine.health_check:
+        problems.append(
+            "engine.health_check=true restarts an engine actor that stops answering; trainer.backend=local "
+            "has none (the engine runs in this process). Set engine.health_check=false, or trainer.backend=ray."
+        )
+    return problems
+
+
 def check_combinations(cfg: Config) -> None:
     """Raise one ConfigError listing every impossible combination of sections in `cfg` (the rules that need
     the resolved algorithm, the engine's package or the model directories are components/validate.py's)."""
@@ -352,6 +371,7 @@ def check_combinations(cfg: Config) -> None:
             "trainer.rollout_placement=separate; to share a GPU with the policy set engine.num_gpus to "
             "a fraction and engine.sleep_during_update=true."
         )
+    problems += local_backend_problems(cfg)
     responses = cfg.data.batch_size * cfg.engine.n
     replicas = data_parallel_replicas(cfg)
     if responses % replicas:

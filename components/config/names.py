@@ -12,6 +12,10 @@ SCORER_NAMES = ("code", "countdown", "gsm8k", "math")
 # components/rollout/tools.py TOOLS: multi_turn.tools
 TOOL_NAMES = ("calculator", "python")
 
+# components/training/backends.py BACKENDS: the trainer.backend values whose workers are Ray actors (Ray is
+# started, or RAY_ADDRESS's cluster checked, for them alone)
+RAY_BACKENDS = ("ray",)
+
 GPU_EXTRA = "pip install 'reinforge[gpu]'"
 # engine.type -> (python module, install command); the hf engine ships with the core install
 ENGINE_PACKAGES = {

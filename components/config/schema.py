@@ -525,6 +525,13 @@ class TrainerConfig(Section):
         description="every data and output path must resolve inside it ('.' = the working "
         "directory); model paths may point anywhere (read only)",
     )
+    backend: Literal["ray", "local"] = Field(
+        "ray",
+        description="where the workers run: ray (actors of a local Ray instance, or of RAY_ADDRESS's "
+        "cluster) or local (every worker in this process, as TRL runs: no Ray to start, one policy worker, "
+        "pdb works; a policy or engine call that hangs is not killed, a reward call past "
+        "trainer.stage_timeout_s still stops the run)",
+    )
     num_workers: int = Field(1, ge=1, description="policy workers (Ray actors, one torch.distributed group)")
     strategy: Literal["ddp", "fsdp", "deepspeed"] = Field(
         "ddp",
@@ -612,6 +619,15 @@ class TrainerConfig(Section):
     system_metrics_interval_s: float = Field(
         10.0, gt=0, description="seconds between two samples of the system metrics"
     )
+
+    @model_validator(mode="after")
+    def _one_worker_in_process(self) -> TrainerConfig:
+        if self.backend == "local" and self.num_workers > 1:
+            raise ValueError(
+                f"trainer.backend=local runs one policy worker in this process, not trainer.num_workers="
+                f"{self.num_workers}. Set trainer.num_workers=1, or trainer.backend=ray for several workers."
+            )
+        return self
 
 
 class MemoryOptimConfig(Section):

@@ -123,6 +123,7 @@ STAGES: dict[str, StageKeys] = {
             # how the update is spread over workers: the same step (within rounding) and a checkpoint format that
             # does not depend on it, so a group rebuilt smaller resumes the run
             "trainer.num_workers",
+            "trainer.backend",
             "actor.tensor_model_parallel_size",
             "actor.sequence_parallel",
             "actor.pipeline_model_parallel_size",

@@ -3,8 +3,13 @@
 `start_local_workers(plan)` builds what `start_workers` would place on Ray: one policy worker (with the
 rollout engine colocated in it, or an engine of its own in an asynchronous mode), the separate reference, the
 reward model and the reward scorer. The groups reach them through the local transport, so the flow's own
-functions (`iteration`, `collect`, `recover`) run unchanged, in seconds, with no Ray: what the fast tests of
-the flow's logic use (tests/flows/test_flow_logic.py). A run always uses Ray.
+functions (`iteration`, `collect`, `recover`) run unchanged with no Ray: a run's workers with
+trainer.backend=local (as TRL runs: nothing to start, pdb works), and what the fast tests of the flow's logic
+use (tests/flows/test_flow_logic.py).
+
+What Ray's actors give and this process cannot: several policy workers or engines (the config checks refuse
+them), and a hung call's processes killed. The reward scorer's calls run in a thread of their own, so a reward
+function that hangs still stops the run at trainer.stage_timeout_s; a policy or engine call runs to its end.
 """
 
 from __future__ import annotations
@@ -19,42 +24,49 @@ from components.training.ray_workers import (
     RewardGroup,
     RewardModelActor,
     RolloutGroup,
+    Started,
     Workers,
 )
-from components.training.transport import LOCAL, LocalActor
+from components.training.transport import LOCAL, LocalActor, ThreadedActor
 from components.training.worker import ColocatedWorker, PolicyWorker, ReferenceWorker
 
 
-def _group(cls, obj, timeout_s: float, **kwargs):
-    actors = [LocalActor(obj)]
+def _group(cls, obj, timeout_s: float, started: Started, actor=LocalActor, **kwargs):
+    actors = [started.record(actor(obj))]
     return cls(actors, LOCAL.pids(actors), timeout_s, transport=LOCAL, **kwargs)
 
 
-def local_policy_group(plan: RunPlan, colocated: bool = False) -> PolicyGroup:
+def local_policy_group(plan: RunPlan, colocated: bool = False, started: Started | None = None) -> PolicyGroup:
     """One policy worker of the plan (a ColocatedWorker, engine inside, if `colocated`) in this process,
     set up as a group of one: what a one-worker Ray group runs, without its process."""
     worker = (ColocatedWorker if colocated else PolicyWorker)(plan.policy)
     worker.setup(GroupSpec(0, 1, "127.0.0.1", 0, "gloo"))
-    return _group(PolicyGroup, worker, plan.placement.stage_timeout_s)
+    return _group(PolicyGroup, worker, plan.placement.stage_timeout_s, started or Started(LOCAL))
 
 
-def start_local_workers(plan: RunPlan) -> Workers:
-    """The plan's workers in this process: one policy worker whatever trainer.num_workers says (a process holds
-    one torch.distributed group of one)."""
+def start_local_workers(plan: RunPlan, started: Started | None = None) -> Workers:
+    """The plan's workers in this process: one policy worker (a process holds one torch.distributed group
+    of one). `started` records each as it is made: a start the flow abandoned builds nothing more."""
+    started = started or Started(LOCAL)
     p, timeout = plan.placement, plan.placement.stage_timeout_s
     colocated = p.colocated(1, plan.rollout.engine_type)
-    policy = local_policy_group(plan, colocated)
+    policy = local_policy_group(plan, colocated, started)
     if colocated:
         rollout = RolloutGroup(policy.actors, policy.pids, timeout, colocated=True, transport=LOCAL)
     else:
         engine = RolloutWorker.from_settings(plan.rollout)
-        rollout = _group(RolloutGroup, engine, timeout, mid_rollout=plan.rollout.partial)
+        rollout = _group(RolloutGroup, engine, timeout, started, mid_rollout=plan.rollout.partial)
     rewards = _group(
-        RewardGroup, RewardScorer(), plan.rewards.timeout_s, concurrency=plan.rewards.concurrency
+        RewardGroup,
+        RewardScorer(),
+        plan.rewards.timeout_s,
+        started,
+        actor=ThreadedActor,
+        concurrency=plan.rewards.concurrency,
     )
     workers = Workers(policy, rollout, rewards)
     if plan.reference is not None:
-        workers.reference = _group(ReferenceActor, ReferenceWorker(plan.reference), timeout)
+        workers.reference = _group(ReferenceActor, ReferenceWorker(plan.reference), timeout, started)
     if p.reward_model:
         from components.rewards.reward_model import RewardModelScorer
 
@@ -65,5 +77,5 @@ def start_local_workers(plan: RunPlan) -> Workers:
             plan.policy.num_threads,
             trust_remote_code=p.trust_remote_code,
         )
-        workers.reward_model = _group(RewardModelActor, scorer, timeout)
+        workers.reward_model = _group(RewardModelActor, scorer, timeout, started)
     return workers

@@ -6,8 +6,9 @@
   with a weights version, pushing weights, health checks.
 - RewardGroup: the RewardScorer actor (the reward functions); ReferenceActor, RewardModelActor.
 
-The groups reach their actors through a transport (components/training/transport.py): Ray in every run, or
-the same worker objects in this process (components/training/local_workers.py) for fast tests of the flow.
+The groups reach their actors through a transport (components/training/transport.py): Ray, or the same worker
+objects in this process (components/training/local_workers.py; trainer.backend=local, and fast tests of the
+flow).
 
 Every call is bounded by trainer.stage_timeout_s: a call that hangs gets its actors' whole process trees
 killed and raises StageTimeout, a transient failure the flow recovers from by rebuilding the group
@@ -38,14 +39,18 @@ from components.settings import (
 from components.training.cluster import ensure_ray
 from components.training.distributed import GroupSpec
 from components.training.loop import balanced_shards
-from components.training.transport import RAY, kill_tree
+from components.training.transport import RAY
 from components.training.worker import ColocatedWorker, PolicyWorker, ReferenceWorker
 
 UPDATES = "updates"  # a rollout actor's Ray concurrency group for weight updates (partial rollouts)
 
 
 class StageTimeout(TimeoutError):
-    """A worker call ran past trainer.stage_timeout_s; its process tree was killed."""
+    """A worker call ran past trainer.stage_timeout_s; its process tree was killed (`done` says so)."""
+
+    def __init__(self, message: str, done: str = ""):
+        super().__init__(message)
+        self.done = done  # what became of the hung call's workers
 
 
 class Actors:
@@ -67,12 +72,11 @@ class Actors:
             # rebuilds the group from
             raise self.transport.death_among(refs) or exc from None
         except self.transport.timeout_error:
-            for pid in self.pids:
-                kill_tree(pid)
+            done = self.transport.stop_hung(self.pids)
             raise StageTimeout(
                 f"{self.role} worker: {what} did not finish within {self.timeout_s:g} s "
-                f"(trainer.stage_timeout_s); its processes (pids {self.pids}) and every process "
-                "they started were killed"
+                f"(trainer.stage_timeout_s); {done}",
+                done,
             ) from None
 
     def refresh_pids(self) -> None:
@@ -280,14 +284,13 @@ class RewardGroup(Actors):
         call = self.actors[0].score.remote(texts, truths, sources, extras, scorers, self.concurrency)
         try:
             return self.wait([call], "score")[0]
-        except StageTimeout:
+        except StageTimeout as exc:
             self.stop()
             names = ", ".join(sorted({scorer_name(f) for f in scorers.values()}))
             raise RewardError(
                 f"scoring {len(texts)} responses with {names} did not finish within "
-                f"trainer.stage_timeout_s={self.timeout_s:g} s; the scorer's process and every process it "
-                "started were killed. Make the reward function faster, or raise "
-                "trainer.stage_timeout_s."
+                f"trainer.stage_timeout_s={self.timeout_s:g} s; {exc.done}. Make the reward function faster, or "
+                "raise trainer.stage_timeout_s."
             ) from None
         except ray.exceptions.RayTaskError as exc:
             if isinstance(exc.cause, ReinforgeError):  # our message, not Ray's wrapper around it
@@ -418,21 +421,22 @@ class Started:
     the start fails at its next wait and starts nothing more, so the run neither waits for the start (~6 s on
     2 cores) nor leaves an actor behind."""
 
-    def __init__(self):
+    def __init__(self, transport=RAY):
         self.actors: list = []
         self.abandoned = False
+        self.transport = transport  # what reaches (and kills) the actors: Ray's, or this process's
 
     def record(self, actor):
         """`actor`, now this start's; killed at once when the start was abandoned meanwhile."""
         self.actors.append(actor)  # before the check: abandon() kills what it finds after setting the flag
         if self.abandoned:
-            RAY.kill([actor], [])
+            self.transport.kill([actor], [])
             raise StartAbandoned("the run stopped while its workers were starting")
         return actor
 
     def abandon(self) -> None:
         self.abandoned = True
-        RAY.kill(list(self.actors), [])
+        self.transport.kill(list(self.actors), [])
 
 
 def _split_resources(resources: dict) -> tuple[float, float, dict | None]:

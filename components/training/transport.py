@@ -2,15 +2,20 @@
 (`LocalActor`), so the flow's logic (staleness, dynamic sampling, rebuilds) runs through the same typed groups
 in a test that takes seconds.
 
-A transport answers five questions the groups ask: wait for these calls, which of them failed because their
-actor died (a collective fails on the survivors too), put a value where every worker can read it, stop these
-actors, and which processes they run in.
+A transport answers six questions the groups ask: wait for these calls, which of them failed because their
+actor died (a collective fails on the survivors too), put a value where every worker can read it, what to do
+with the actors of a call that hung, stop these actors, and which processes they run in.
+
+The local transport is also a run's own (trainer.backend=local, components/training/local_workers.py).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 
 import ray
 
@@ -59,6 +64,12 @@ class RayTransport:
     def put(self, value):
         return ray.put(value)
 
+    def stop_hung(self, pids: list[int]) -> str:
+        """A call hung: its actors' processes are killed with every process they started."""
+        for pid in pids:
+            kill_tree(pid)
+        return f"its processes (pids {pids}) and every process they started were killed"
+
     def pids(self, actors: list) -> list[int]:
         return ray.get([a.pid.remote() for a in actors])
 
@@ -71,23 +82,35 @@ class RayTransport:
 
 
 class _Never(Exception):
-    """No call of the local transport times out: each runs to its end when made."""
+    """Never raised: a local call's own exception reaches the caller as it is."""
+
+
+class _LocalTimeout(Exception):
+    """A local call run in a thread of its own (ThreadedActor's) did not finish in time."""
 
 
 class LocalTransport:
-    """Worker objects in this process: a call runs when it is made, and its result is its own reference."""
+    """Worker objects in this process: a call runs when it is made, and its result is its own reference; a
+    ThreadedActor's call runs in a thread, and its reference is a Future, waited for at most the timeout."""
 
-    timeout_error = _Never
+    timeout_error = _LocalTimeout
     task_error = _Never
 
     def get(self, refs: list, timeout_s: float | None) -> list:
-        return list(refs)
+        futures = [r for r in refs if isinstance(r, Future)]
+        if futures and wait_futures(futures, timeout_s).not_done:
+            raise _LocalTimeout
+        return [r.result() if isinstance(r, Future) else r for r in refs]
 
     def death_among(self, refs: list) -> None:
         return None
 
     def put(self, value):
         return value
+
+    def stop_hung(self, pids: list[int]) -> str:
+        """A call hung in this process: nothing can be killed; its thread is a daemon, left behind."""
+        return "it runs in this process (trainer.backend=local), where its thread was left behind"
 
     def pids(self, actors: list) -> list[int]:
         return [os.getpid()] * len(actors)
@@ -119,3 +142,26 @@ class _LocalMethod:
 
     def remote(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
+
+
+class ThreadedActor(LocalActor):
+    """A LocalActor whose every call runs in a thread of its own, so that the caller's wait is bounded: the
+    reward scorer's, whose reward functions are the user's code (one that hangs stops the run at
+    trainer.stage_timeout_s, as on Ray). A daemon thread: one that hangs does not hold up the process's exit."""
+
+    def __getattr__(self, name: str) -> _ThreadedMethod:
+        return _ThreadedMethod(getattr(self.obj, name))
+
+
+class _ThreadedMethod(_LocalMethod):
+    def remote(self, *args, **kwargs) -> Future:
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self.fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - the caller's wait raises it
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name=f"local-{self.fn.__name__}", daemon=True).start()
+        return future

@@ -29,7 +29,7 @@ SHARED = [
 @pytest.fixture(scope="module")
 def start(tmp_path_factory, prefect_harness, ray_local):
     root = tmp_path_factory.mktemp("async")
-    with sft_ready(root, ITERATIONS, tuple(SHARED)) as ov:
+    with sft_ready(root, ITERATIONS, tuple(SHARED), backend="ray") as ov:
         yield root, ov
 
 

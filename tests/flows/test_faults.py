@@ -24,12 +24,14 @@ from tests.flows.conftest import latest_checkpoint, run_dir, sft_ready
 pytestmark = pytest.mark.slow
 
 ITERATIONS = 4
+# the faults of Prefect's server and of the disk are the driver's to handle: their runs need no Ray
+LOCAL = "trainer.backend=local"
 
 
 @pytest.fixture(scope="module")
 def start(tmp_path_factory, prefect_harness, ray_local):
     root = tmp_path_factory.mktemp("faults")
-    with sft_ready(root, ITERATIONS, ("trainer.save_interval=1",)) as ov:
+    with sft_ready(root, ITERATIONS, ("trainer.save_interval=1",), backend="ray") as ov:
         yield root, ov
 
 
@@ -138,7 +140,9 @@ def test_disk_full_during_a_save_fails_the_run_and_keeps_the_previous_checkpoint
         return real(path)
 
     monkeypatch.setattr(checkpoints, "_fsync_tree", full_disk)
-    state = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={root}/full"], return_state=True)
+    # the save is the driver's and the policy worker's: the same whether that worker is Ray's or in this process
+    out = [f"trainer.output_dir={root}/full", LOCAL]
+    state = train_flow("configs/arith_grpo.yaml", ov + out, return_state=True)
     assert state.is_failed(), state
     ckroot = run_dir(root / "full") / "checkpoints"
     assert (ckroot / "latest").read_text().strip() == "iter_000001"
@@ -316,8 +320,9 @@ def test_a_dead_prefect_server_stops_the_run_within_one_stage(start):
     its checkpoint intact, nothing left running (it used to train on blind, then drain events for hours)."""
     root, ov = start
     out = root / "prefect_died"
-    proc = _train_until(ov, out, "iter_000001", None)  # its own in-process server
+    proc = _train_until(ov, out, "iter_000001", None, LOCAL)  # its own in-process server
     tree = _tree(proc.pid)
+    assert not descendants("raylet", proc.pid)  # trainer.backend=local: mid-run, and no Ray was started
     (server,) = descendants("uvicorn", proc.pid, recursive=False)
     server.kill()
     killed = time.time()
@@ -347,7 +352,7 @@ def test_a_state_another_client_sets_stops_the_run(start, prefect_api):
 
     root, ov = start
     out = root / "cancelled_elsewhere"
-    proc = _train_until(ov, out, "iter_000001", prefect_api, "trainer.iterations=200")
+    proc = _train_until(ov, out, "iter_000001", prefect_api, "trainer.iterations=200", LOCAL)
     running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])))
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(

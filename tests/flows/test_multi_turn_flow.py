@@ -1,5 +1,5 @@
 """The multi-turn variant end to end: arith_tool data -> SFT with masked tool output -> GRPO with calculator
-calls on Ray, tracked in MLflow."""
+calls (its workers in the test's process, trainer.backend=local), tracked in MLflow."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ TOOL = (
 )
 
 
-def test_tool_calling_pipeline_runs_and_logs_turns(tmp_path, prefect_harness, ray_local):
+def test_tool_calling_pipeline_runs_and_logs_turns(tmp_path, prefect_harness):
     from flows.train import train_flow
 
     with sft_ready(tmp_path, iterations=2, extra=TOOL) as ov:

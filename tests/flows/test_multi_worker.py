@@ -52,7 +52,7 @@ def test_tensor_parallel_workers_then_one_resuming_them_learn_as_one(tmp_path, p
         "actor.optimizer.type=sgd",
         "actor.optimizer.lr=0.5",
     )
-    with sft_ready(tmp_path, ITERATIONS, extra) as ov:
+    with sft_ready(tmp_path, ITERATIONS, extra, backend="ray") as ov:
         one = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={tmp_path}/one"])
         out = f"trainer.output_dir={tmp_path}/tp"
         ref = "trainer.ref_placement=separate"

@@ -29,7 +29,7 @@ def snapshot(root: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, prefect_harness, ray_local):
+def trained(tmp_path_factory, prefect_harness):
     """A finished 2-iteration run in root/grpo (checkpoints at 1 and 2)."""
     from flows.train import train_flow
 

@@ -24,7 +24,7 @@ def pipeline_run(tmp_path_factory, prefect_harness, ray_local):
     from flows.train import train_flow
 
     root = tmp_path_factory.mktemp("e2e")
-    with sft_ready(root, ITERATIONS) as ov:
+    with sft_ready(root, ITERATIONS, backend="ray") as ov:
         info = train_flow("configs/arith_grpo.yaml", ov, "e2e-test", "0.0.1")
         results = evaluate_flow("configs/arith_grpo.yaml", ov, str(root / "metrics" / "eval.json"))
         yield root, info, results
@@ -189,6 +189,29 @@ def test_eval_json_has_both_accuracies(pipeline_run):
     assert data["iterations"] == ITERATIONS and data == json.loads(json.dumps(results))
 
 
+def test_the_same_run_with_its_workers_in_this_process_ends_on_the_same_model(pipeline_run):
+    """trainer.backend=local (no Ray: the same workers as objects of this process) trains the same model as
+    Ray's actors do, bit for bit, and logs the same rewards."""
+    from flows.train import train_flow
+
+    root, info, _ = pipeline_run
+    local = train_flow(
+        "configs/arith_grpo.yaml", small_overrides(root, ITERATIONS) + [f"trainer.output_dir={root}/local"]
+    )
+    on_ray, here = load_model(info["final_model"]).state_dict(), load_model(local["final_model"]).state_dict()
+    assert on_ray.keys() == here.keys() and all(torch.equal(on_ray[k], here[k]) for k in on_ray)
+    client = MlflowClient(f"sqlite:///{root}/mlruns.db")
+
+    def rewards(run_id: str) -> list[float]:
+        return [
+            m.value
+            for m in sorted(client.get_metric_history(run_id, "critic/score/mean"), key=lambda m: m.step)
+        ]
+
+    assert rewards(local["run_id"]) == rewards(info["run_id"])
+    assert client.get_run(local["run_id"]).data.params["trainer.backend"] == "local"
+
+
 def test_grpo_trains_with_the_tiny_reward_model(pipeline_run):
     """The reward-model path end to end on this run's data and SFT model: train a tiny reward model, then GRPO
     with it mixed into the rule reward, its actor scoring on Ray, all in MLflow."""
@@ -196,7 +219,7 @@ def test_grpo_trains_with_the_tiny_reward_model(pipeline_run):
     from flows.train import train_flow
 
     root, _, _ = pipeline_run
-    ov = small_overrides(root, 3) + [f"trainer.output_dir={root}/grpo_rm"]
+    ov = small_overrides(root, 3, "ray") + [f"trainer.output_dir={root}/grpo_rm"]
     fit = reward_model_flow("configs/arith_grpo.yaml", ov, str(root / "rm"), steps=20, batch_size=32, lr=1e-3)
     assert 0.0 <= fit["heldout_pair_accuracy"] <= 1.0
     info = train_flow(

@@ -56,7 +56,10 @@ def user_project(tmp_path, monkeypatch):
 
 
 def overrides(root: Path, *extra: str) -> list[str]:
+    """The user's project as a run's overrides; its workers in this process (trainer.backend=local) unless
+    `extra` says ray (what these tests check is the driver's)."""
     return [
+        "trainer.backend=local",
         f"trainer.run_dir={root}",
         f"data.train_path={root}/train.jsonl",
         f"data.eval_path={root}/test.jsonl",
@@ -90,7 +93,7 @@ def no_runs(root: Path) -> bool:
 
 @pytest.mark.slow
 def test_plain_string_prompts_and_a_base_model_without_template_train_end_to_end(
-    user_project, prefect_harness, ray_local
+    user_project, prefect_harness
 ):
     from flows.train import train_flow
 
@@ -159,6 +162,9 @@ def checkpoint_of_another_size(root: Path) -> list[str]:
     ]  # past the fingerprint check
 
 
+# the case whose workers start on Ray, beside the checks: the run that stops kills them, leaving none
+ON_RAY = {"model_without_weights"}
+
 BAD_INPUTS = {
     no_reward_model_column: r"data\.train_path=.*bad\.jsonl: 1 of 1 rows fail validation: row 0, column "
     r"reward_model: missing_column",
@@ -174,7 +180,8 @@ BAD_INPUTS = {
 
 @pytest.mark.parametrize("make", list(BAD_INPUTS), ids=lambda f: f.__name__)
 def test_bad_input_stops_with_one_line_before_any_run(user_project, prefect_harness, capsys, make):
-    rc, err = run_train(overrides(user_project) + make(user_project), capsys)
+    backend = "ray" if make.__name__ in ON_RAY else "local"
+    rc, err = run_train(overrides(user_project, f"trainer.backend={backend}") + make(user_project), capsys)
     assert rc == 2, err
     assert re.search(BAD_INPUTS[make], err), err
     assert "Traceback" not in err and err.count("error:") == 1
@@ -291,7 +298,7 @@ def _reward_file(root: Path, body: str) -> str:
 
 @pytest.mark.slow
 def test_a_bool_returning_reward_stops_the_run_at_iteration_one(
-    user_project, prefect_harness, ray_local, capsys, monkeypatch
+    user_project, prefect_harness, capsys, monkeypatch
 ):
     monkeypatch.chdir(user_project)  # a custom reward file lives inside the project
     rc, err = run_train(
@@ -313,7 +320,12 @@ def test_a_sleeping_reward_is_killed_at_the_stage_timeout_with_no_process_left(
     monkeypatch.chdir(user_project)
     start = time.monotonic()
     rc, err = run_train(
-        overrides(user_project, _reward_file(user_project, "time.sleep(600)"), "trainer.stage_timeout_s=5"),
+        overrides(
+            user_project,
+            _reward_file(user_project, "time.sleep(600)"),
+            "trainer.stage_timeout_s=5",
+            "trainer.backend=ray",  # the scorer's process killed with everything it started
+        ),
         capsys,
     )
     assert rc == 2 and "did not finish within trainer.stage_timeout_s=5 s" in err, err
@@ -367,3 +379,10 @@ def test_an_unreachable_service_is_one_line_within_the_timeout(capsys, monkeypat
     err = capsys.readouterr().err
     assert time.monotonic() - start < 3 + 2
     assert err.startswith(f"error: {variable}={address}: {message}") and err.count("\n") == 1, err
+
+
+def test_a_ray_cluster_is_not_asked_for_when_the_workers_run_in_this_process(monkeypatch):
+    from flows._args import check_config
+
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_closed_port()}")
+    assert check_config(CONFIG, ["trainer.backend=local", "trainer.connect_timeout_s=3"]) == 0

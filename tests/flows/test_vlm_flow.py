@@ -1,5 +1,7 @@
-"""The multimodal pipeline end to end on real Prefect, Ray and MLflow: counting images -> clean -> SFT of a
-composed VLM -> GRPO with pixel inputs -> MLflow metrics and sample images; resume from a checkpoint is exact."""
+"""The multimodal pipeline end to end on real Prefect and MLflow: counting images -> clean -> SFT of a composed
+VLM -> GRPO with pixel inputs -> MLflow metrics and sample images; resume from a checkpoint is exact. Its workers
+run in the test's process (trainer.backend=local): a batch's pixel_values reach Ray's actors as any other
+tensor of it does (the text pipeline's end-to-end test on Ray, tests/flows/test_train_flow.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ SMALL = (
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory, prefect_harness, ray_local):
+def vlm(tmp_path_factory, prefect_harness):
     from flows.train import train_flow
 
     root = tmp_path_factory.mktemp("vlm")

@@ -124,6 +124,26 @@ def test_impossible_algorithm_combinations_name_the_key(overrides, message):
 
 
 @pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["trainer.num_workers=2"],
+            r"trainer\.backend=local runs one policy worker .* trainer\.num_workers=2",
+        ),
+        (
+            ["engine.num_engines=2", "trainer.rollout_placement=separate"],
+            r"trainer\.backend=local runs one rollout engine .* engine\.num_engines=2",
+        ),
+        (["engine.health_check=true"], r"engine\.health_check=true restarts an engine actor .* has none"),
+    ],
+)
+def test_what_workers_in_this_process_cannot_do_is_refused_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_checked("configs/arith_grpo.yaml", ["trainer.backend=local", *overrides])
+    load_checked("configs/arith_grpo.yaml", overrides)  # on Ray's actors, each is fine
+
+
+@pytest.mark.parametrize(
     "path",
     [
         "configs/gsm8k_grpo_qwen2_7b.yaml",
