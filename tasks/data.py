@@ -15,8 +15,6 @@ from components.data.images import absolute_images, llava_rows, visual_count_row
 from components.data.io import read_rows, to_plain, write_parquet
 from components.errors import ConfigError, DataError
 from components.lineage import verify_tracked
-from components.models.loading import load_image_encoder, load_tokenizer
-from components.models.tiny import build_char_tokenizer
 from tasks.caching import StageCache, cached_stage
 from tasks.common import logger, stage
 
@@ -50,6 +48,11 @@ def tokenizer_source(cfg: Config) -> tuple[str, str] | None:
 def _tokenizer_of(source: tuple[str, str] | None, cfg: Config):
     """The tokenizer at `source`, or the one SFT will build: the tiny model's (with the tool-call tokens for
     multi-turn runs), or for a VLM that SFT composes, actor.model.text_model's; either with `<image>` added."""
+    # tokenizers import transformers and torch (~4 s): here, where the clean stage needs one, not at the import
+    # of this module, which `reinforge prepare` imports too
+    from components.models.loading import load_tokenizer
+    from components.models.tiny import build_char_tokenizer
+
     composing = cfg.actor.model.type == "multimodal" and source is None
     if composing:  # the VLM modules import transformers' modeling code: text-only runs never load it
         from components.models.vlm import with_image_token
@@ -73,6 +76,8 @@ def data_image_tokens(cfg: Config) -> int | None:
         from components.models.multimodal import composed_image_tokens
 
         return composed_image_tokens(cfg)
+    from components.models.loading import load_image_encoder, load_tokenizer
+
     key, path = source
     trust = cfg.actor.model.trust_remote_code
     encoder = load_image_encoder(path, load_tokenizer(path, key, trust), key, trust)
@@ -200,6 +205,8 @@ def load_datasets(cfg: Config, tokenizer) -> tuple[list[dict], list[dict]]:
     """The train and eval rows, each checked as the clean stage checks them (with the policy's tokenizer) and
     with their md5 matching what DVC recorded: a bad row or a file edited behind DVC's back stops the run here,
     naming the file, row and column, before any worker or MLflow run starts."""
+    from components.models.loading import load_image_encoder
+
     encoder = load_image_encoder(
         cfg.actor.model.path, tokenizer, trust_remote_code=cfg.actor.model.trust_remote_code
     )

@@ -85,17 +85,22 @@ def start_workers(plan: RunPlan, started: ray_workers.Started | None = None) -> 
 
 
 class StartingWorkers:
-    """The workers' start (the start-workers task), submitted as the flow begins: the actors' processes import
-    torch and load the model while the driver checks the inputs, loads the data and opens the MLflow run
-    (~2 s of a ~6 s start on 2 cores). The run takes them; drop() stops them when none does."""
+    """The workers' start (the start-workers task), submitted as the flow begins when they are actors: their
+    processes import torch and load the model while the driver checks the inputs, loads the data and opens the
+    MLflow run (~2 s of a ~6 s start on 2 cores). Workers in this process (trainer.backend=local) start when
+    taken, once the inputs are good: a thread beside the checks would hold the interpreter's lock through its
+    imports, and a bad input would wait for them (~3.5 s). The run takes them; drop() stops them when none
+    does."""
 
     def __init__(self, plan: RunPlan):
         # here: Ray's init must run in the main thread; the actors start in the task's
-        self.started = backends.starting(plan)
-        self.future, self.taken = start_workers.submit(plan, self.started), False
+        self.plan, self.started, self.taken = plan, backends.starting(plan), False
+        self.future = start_workers.submit(plan, self.started) if backends.starts_ahead(plan) else None
 
     def take(self) -> Workers:
         self.taken = True
+        if self.future is None:
+            return start_workers(self.plan, self.started)
         return self.future.result()
 
     def drop(self) -> None:
@@ -104,6 +109,8 @@ class StartingWorkers:
         if not self.taken:
             self.taken = True
             self.started.abandon()
+            if self.future is None:  # never started
+                return
             # a start that failed or was abandoned: the error that ended the run is the one reported
             with contextlib.suppress(Exception):
                 self.future.result().stop()

@@ -18,6 +18,9 @@ def prefect_api():
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
+    # a deployment run that finds its concurrency slot taken (the nightly's limit of 1) is scheduled again 2 s
+    # later, not Prefect's 30 (the work-pool test's second run waits for the first)
+    os.environ.setdefault("PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS", "2")
     with prefect_test_harness(server_startup_timeout=180):
         yield PREFECT_API_URL.value()
 

@@ -1,8 +1,8 @@
 """Asynchronous RL end to end, through the real training flow (Prefect, Ray, MLflow): one_step_off samples
-batch k+1 with the weights from before update k, as task runs of their own beside the update; a
-bounded_staleness run with two batches in flight that fails after a checkpoint resumes, in a new run, to the
-uninterrupted run's model bit for bit (the rollouts sampled ahead, with weights no checkpoint holds, are in
-it); LoRA adapters reach an engine in an actor of its own. The loop's logic (staleness 0 is the synchronous
+batch k+1 with the weights from before update k, as task runs of their own beside the update on Ray's actors;
+a bounded_staleness run with two batches in flight (its engine in the driver's process) that fails after a
+checkpoint resumes, in a new run, to the uninterrupted run's model bit for bit (the rollouts sampled ahead,
+with weights no checkpoint holds, are in it); LoRA adapters reach an engine in an actor of its own. The loop's logic (staleness 0 is the synchronous
 loop, partial rollouts, rebuilds) is tested in seconds in tests/flows/test_flow_logic.py."""
 
 from __future__ import annotations
@@ -100,6 +100,9 @@ def test_a_bounded_staleness_run_that_fails_resumes_to_the_uninterrupted_model(s
     # two batches sampled ahead (max_staleness 2): checkpoint 1 holds batches 2 and 3, the second sampled with
     # weights no checkpoint holds; the resumed run trains on them and ends where the uninterrupted one does
     mode = ["trainer.async_mode=bounded_staleness", "trainer.max_staleness=2", "trainer.iterations=3"]
+    # the engine an object of its own in this process, sampling in Prefect's task threads beside the update:
+    # what the checkpoint holds is the flow's (one_step_off above samples beside it on Ray's actors)
+    mode += ["trainer.backend=local"]
     whole = train(start, "bounded", *mode)
     assert history(whole, "async/staleness/max") == [0.0, 1.0, 2.0]
     resumed = fail_then_resume(start, monkeypatch, "bounded_failed", 2, *mode)

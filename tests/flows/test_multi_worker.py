@@ -30,6 +30,8 @@ CONFIG = str(ROOT / "configs" / "arith_grpo.yaml")
 # the runs compared across placements all-reduce full-precision gradients: `auto` picks fp16 below a measured
 # bandwidth, which a loaded machine may measure on one run and not on the other
 EXACT = "trainer.grad_compression=none"
+# the cluster's runs: user_data's overrides put a run's workers in its own process unless told otherwise
+ON_RAY = "trainer.backend=ray"
 
 
 def scores(root: Path, run_id: str, key: str = "critic/score/mean") -> list[float]:
@@ -53,13 +55,18 @@ def test_tensor_parallel_workers_then_one_resuming_them_learn_as_one(tmp_path, p
         "actor.optimizer.lr=0.5",
     )
     with sft_ready(tmp_path, ITERATIONS, extra, backend="ray") as ov:
-        one = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={tmp_path}/one"])
+        # the one-worker runs with their workers in this process (trainer.backend=local: the same model as on
+        # Ray, bit for bit), the resumed one from the Ray workers' checkpoint (where workers run is resume-neutral)
+        here = "trainer.backend=local"
+        one = train_flow("configs/arith_grpo.yaml", ov + [f"trainer.output_dir={tmp_path}/one", here])
         out = f"trainer.output_dir={tmp_path}/tp"
         ref = "trainer.ref_placement=separate"
         sharded = "trainer.checkpoint_format=sharded"  # each TP worker writes its shards, the one reads all
         tp = ["trainer.num_workers=2", "actor.tensor_model_parallel_size=2", ref, sharded]
         half = train_flow("configs/arith_grpo.yaml", ov + [out, *tp, f"trainer.iterations={ITERATIONS - 2}"])
-        resumed = train_flow("configs/arith_grpo.yaml", ov + [out, ref])  # one worker, from TP2's checkpoint
+        resumed = train_flow(
+            "configs/arith_grpo.yaml", ov + [out, ref, here]
+        )  # one worker, from TP2's checkpoint
     s1 = scores(tmp_path, one["run_id"])
     # the finished TP2 run's iterations, then the resumed one's (a run extended past its end logs a new MLflow run)
     s_tp = scores(tmp_path, half["run_id"]) + scores(tmp_path, resumed["run_id"])
@@ -199,7 +206,7 @@ def test_a_token_auth_cluster_of_two_nodes_runs_updates_and_training_and_refuses
             started = time.monotonic()
             res = subprocess.run(
                 [str(Path(sys.executable).with_name("reinforge")), "train", "--config", CONFIG]
-                + overrides(tmp_path, EXACT, *extra),
+                + overrides(tmp_path, ON_RAY, EXACT, *extra),
                 cwd=ROOT,
                 env=run_env,
                 capture_output=True,
@@ -266,7 +273,7 @@ def test_a_token_auth_cluster_of_two_nodes_runs_updates_and_training_and_refuses
         run = subprocess.Popen(
             [str(Path(sys.executable).with_name("reinforge")), "train", "--config", CONFIG]
             + overrides(
-                tmp_path, EXACT, *lost, "trainer.min_workers=1", f"trainer.output_dir={tmp_path}/lost"
+                tmp_path, ON_RAY, EXACT, *lost, "trainer.min_workers=1", f"trainer.output_dir={tmp_path}/lost"
             ),
             cwd=ROOT,
             env=cli,
