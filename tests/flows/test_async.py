@@ -2,8 +2,9 @@
 batch k+1 with the weights from before update k, as task runs of their own beside the update on Ray's actors;
 a bounded_staleness run with two batches in flight (its engine in the driver's process) that fails after a
 checkpoint resumes, in a new run, to the uninterrupted run's model bit for bit (the rollouts sampled ahead,
-with weights no checkpoint holds, are in it); LoRA adapters reach an engine in an actor of its own. The loop's logic (staleness 0 is the synchronous
-loop, partial rollouts, rebuilds) is tested in seconds in tests/flows/test_flow_logic.py."""
+with weights no checkpoint holds, are in it); LoRA adapters reach an engine in an actor of its own. The
+loop's logic (staleness 0 is the synchronous loop, partial rollouts, rebuilds) is tested in seconds in
+tests/flows/test_flow_logic.py."""
 
 from __future__ import annotations
 
