@@ -174,15 +174,8 @@ def iteration(run: Run) -> dict[str, float]:
     # the two re-runs `it`
     run.tracker.log_metrics(metrics, it)
     if it % plan.save_interval == 0 or it == plan.iterations:  # `it`, whose metrics are not re-logged
-        state = {
-            "sampler": run.sampler.state_dict(),
-            "weights_version": run.version,
-            **run.fingerprint.state(),
-        }
-        if run.kl_ctrl is not None:
-            state["kl_ctrl"] = run.kl_ctrl.state_dict()
         run.checkpoint, run.state = save_checkpoint(
-            workers, run.tracker, run.cfg, run.resume, it, state, run.ahead.files()
+            workers, run.tracker, run.cfg, run.resume, it, run.driver_state(), run.ahead.files()
         )
         run.tracker.log_metrics(checkpoint_metrics(run.state), it)
         metrics.update(checkpoint_metrics(run.state))
