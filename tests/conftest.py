@@ -46,9 +46,9 @@ def make_model(tokenizer, seed: int = 0, hidden: int = 32):
 
 # the files that take longest (end-to-end runs, most of them several processes each), in order
 LONGEST_FIRST = (
+    "tests/flows/test_multi_worker.py",  # the two-node cluster: the longest single test (~4 min)
     "tests/flows/test_dvc.py",
     "tests/flows/test_faults.py",
-    "tests/flows/test_multi_worker.py",
     "tests/flows/test_nightly.py",
     "tests/flows/test_user_data.py",
     "tests/flows/",
