@@ -215,6 +215,14 @@ def check_services(timeout_s: float = 15.0, ray: bool = True) -> None:
         raise ServiceError("\n  ".join(problems))
 
 
+def check_run_services(cfg) -> None:
+    """check_services for a run of `cfg` (a Config): within trainer.connect_timeout_s, and RAY_ADDRESS's
+    cluster only when its workers are Ray actors (trainer.backend)."""
+    from components.config.names import RAY_BACKENDS
+
+    check_services(cfg.trainer.connect_timeout_s, ray=cfg.trainer.backend in RAY_BACKENDS)
+
+
 # uvicorn's command line, with Prefect's server package imported first with the collector paused (~0.9 of its
 # ~3.7 CPU-seconds to its first answer, on the cores the run's own start-up needs)
 SERVE_PREFECT = (

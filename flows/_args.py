@@ -8,7 +8,7 @@ import sys
 import traceback
 
 from components.errors import ReinforgeError
-from components.services import check_services, prefect_server_pid, prefect_server_started
+from components.services import check_run_services, prefect_server_pid, prefect_server_started
 from flows import _logs
 
 SERVER_NICE_ENV = "REINFORGE_PREFECT_SERVER_NICE"  # niceness of Prefect's in-process server; 0 = leave it
@@ -49,14 +49,13 @@ def report(exc: ReinforgeError, debug: bool = False) -> int:
 def checked_config(path: str, overrides: list[str], debug: bool = False):
     """Validate the config, the custom reward function and the services it names before any flow (or Prefect
     server) starts: (0, the config) when good, (2, None) with the message printed."""
-    from components.config.names import RAY_BACKENDS
     from components.rewards.custom import check_custom_reward
     from components.validate import load_checked
 
     try:
         cfg = load_checked(path, overrides)
         check_custom_reward(cfg)
-        check_services(cfg.trainer.connect_timeout_s, ray=cfg.trainer.backend in RAY_BACKENDS)
+        check_run_services(cfg)
     except ReinforgeError as exc:
         return report(exc, debug), None
     return 0, cfg

@@ -9,7 +9,6 @@ import time
 from components.algorithms.shaping import group_counts
 from components.batch import Batch
 from components.config import Config
-from components.config.names import RAY_BACKENDS
 from components.errors import ConfigError
 from components.evaluation import evaluate
 from components.models.loading import check_model_dir, load_image_encoder, load_tokenizer
@@ -27,7 +26,7 @@ from components.rl import (
 )
 from components.rollout.batching import concat_rounds, decode_responses
 from components.seeding import derive_seed
-from components.services import check_services
+from components.services import check_run_services
 from components.training import backends, ray_workers
 from components.training.ray_workers import Workers
 from tasks.common import is_transient, logger, stage
@@ -39,8 +38,7 @@ def check_inputs(cfg: Config, needs_critic: bool):
     the policy's tokenizer (loaded as saved, checked) and weights, the critic's and reward model's directories.
     Returns the tokenizer."""
     check_custom_reward(cfg)
-    # a deployment's run, which no CLI checked
-    check_services(cfg.trainer.connect_timeout_s, ray=cfg.trainer.backend in RAY_BACKENDS)
+    check_run_services(cfg)  # a deployment's run, which no CLI checked
     trust = cfg.actor.model.trust_remote_code
     tokenizer = load_tokenizer(cfg.actor.model.path, trust_remote_code=trust)
     check_model_dir(cfg.actor.model.path, "actor.model.path", trust_remote_code=trust)

@@ -13,9 +13,8 @@ from components.training.cluster import ensure_ray
 from components.training.transport import LOCAL, RAY
 
 BACKENDS: Registry = Registry("worker backend", "trainer.backend")
-# ahead: the start runs beside the driver's checks of the inputs (actors are processes of their own)
-BACKENDS.register("ray", transport=RAY, ahead=True)(ray_workers.start_workers)
-BACKENDS.register("local", transport=LOCAL, ahead=False)(local_workers.start_local_workers)
+BACKENDS.register("ray", transport=RAY)(ray_workers.start_workers)
+BACKENDS.register("local", transport=LOCAL)(local_workers.start_local_workers)
 
 
 def start_workers(plan: RunPlan, started: ray_workers.Started | None = None) -> ray_workers.Workers:
@@ -24,8 +23,9 @@ def start_workers(plan: RunPlan, started: ray_workers.Started | None = None) -> 
 
 
 def starts_ahead(plan: RunPlan) -> bool:
-    """Whether the plan's workers start beside the driver's checks (in processes of their own) or after."""
-    return BACKENDS.info(plan.placement.backend)["ahead"]
+    """Whether the plan's workers start beside the driver's checks (actors: processes of their own) or after
+    them (in this process, whose imports would hold the interpreter's lock)."""
+    return plan.placement.backend in RAY_BACKENDS
 
 
 def starting(plan: RunPlan) -> ray_workers.Started:
