@@ -161,6 +161,9 @@ def ours_result(info: dict, w: str, steps: int) -> dict:
     ]
     hist = {m: {x.step: x for x in client.get_metric_history(info["run_id"], m)} for m in names}
     ends = {s: x.timestamp / 1000 for s, x in hist["critic/score/mean"].items()}
+    # the run's two ends: process start -> first rollout, and the final save and logged model (their own
+    # timings); last step -> exit is the bench's, from the last step's logged time
+    run_metrics = client.get_run(info["run_id"]).data.metrics
     step_s = [ends[s] - ends[s - 1] for s in range(2, steps)]  # not the first (warm-up) nor the last (test)
     stages = {
         k: statistics.median(h[s].value for s in range(2, steps) if s in h)
@@ -174,6 +177,11 @@ def ours_result(info: dict, w: str, steps: int) -> dict:
         "gen_tokens": [hist["response_length/mean"][s].value * rows for s in sorted(ends)],
         "stages": stages,
         "final_model": info["final_model"],
+        "ends": {
+            "first_rollout_s": run_metrics.get("timing_s/startup/first_gen", float("nan")),
+            "finalize_s": run_metrics.get("timing_s/finalize", float("nan")),
+            "last_step_at": max(ends.values()),
+        },
     }
 
 
@@ -353,7 +361,7 @@ def run_child(name: str, w: str, beta: float, steps: int, tag: str, extra: list[
     # the whole process tree: Ray's and Prefect's processes too
     with CpuTimeline(proc.pid) as cpu, rss, pss:
         printed, err = proc.communicate()
-    wall = time.perf_counter() - started
+    wall, exited = time.perf_counter() - started, time.time()
     if proc.returncode != 0 or (framework == "trl" and not res.is_file()):
         raise RuntimeError(f"{framework} {w} beta={beta} failed (exit {proc.returncode}):\n{err[-4000:]}")
     cpu_s = sum(cpu_by_role(cpu.samples, float("inf")).values())
@@ -361,7 +369,15 @@ def run_child(name: str, w: str, beta: float, steps: int, tag: str, extra: list[
         result = ours_result(json.loads(printed[("\n" + printed).index("\n{") :]), w, steps)
     else:
         result = json.loads(res.read_text())
-    return {**result, **peak_memory(rss, pss), "process": {"wall_s": wall, "cpu_s": cpu_s}}
+    process = {"wall_s": wall, "cpu_s": cpu_s}
+    if framework == "ours":
+        ends = result.pop("ends")
+        process |= {
+            "first_rollout_s": ends["first_rollout_s"],
+            "teardown_s": exited - ends["last_step_at"],  # last step -> exit
+            "finalize_s": ends["finalize_s"],
+        }
+    return {**result, **peak_memory(rss, pss), "process": process}
 
 
 # ---------------------------------------------------------------- figures
@@ -571,6 +587,32 @@ def whole_process_table(results: list[dict]) -> list[str]:
     return lines
 
 
+def ends_table(results: list[dict]) -> list[str]:
+    """Our run's two ends (issue 39's start-up and teardown targets), medians over the pairs: process start ->
+    first rollout (timing_s/startup/first_gen), and last step -> process exit, split into the work that must
+    happen (timing_s/finalize: the final model's save, the logged model, the plots, run.json) and the rest
+    (MLflow's run end, Ray's and Prefect's stops, the interpreter's exit)."""
+    lines = [
+        "\n## Our run's ends, medians over the pairs\n",
+        "| workload | beta | our async_mode | process start -> first rollout s | last step -> exit s | "
+        "of which the final model, logged model and plots s | the rest s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        ours = [p["ours"]["process"] for p in r["pairs"] if "teardown_s" in p["ours"].get("process", {})]
+        if not ours:
+            continue
+        first, down, final = (
+            _med(o[k] for o in ours) for k in ("first_rollout_s", "teardown_s", "finalize_s")
+        )
+        rest = _med(o["teardown_s"] - o["finalize_s"] for o in ours)
+        lines.append(
+            f"| {r['workload']} | {r['beta']:g} | {r.get('mode', 'config')} | {first:.2f} | {down:.2f} | "
+            f"{final:.2f} | {rest:.2f} |"
+        )
+    return lines
+
+
 def report(results: list[dict], meta: dict) -> str:
     lines = [
         "# reinforge vs TRL GRPOTrainer\n",
@@ -605,7 +647,7 @@ def report(results: list[dict], meta: dict) -> str:
             f"{r['start_acc']:.3f} -> {_med(p['trl']['acc'] for p in r['pairs']):.3f} / "
             f"{_med(p['ours']['acc'] for p in r['pairs']):.3f} |"
         )
-    lines += whole_process_table(results)
+    lines += whole_process_table(results) + ends_table(results)
     lines += ["\n## Our step, stage by stage (median seconds)\n"]
     keys = sorted({k for r in results for p in r["pairs"] for k in p["ours"]["stages"]} - set(ASYNC))
     lines += stage_table(results, keys)

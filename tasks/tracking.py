@@ -4,6 +4,7 @@ model."""
 from __future__ import annotations
 
 import json
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -262,7 +263,9 @@ def finalize(
     """Save the final model in the run directory (HF format) and log it to MLflow as a model of its own
     (stored apart from the run's artifacts, so no later run ever writes its files); the reward curve and
     run.json; end the MLflow run. `latest` in trainer.output_dir names this run, and its final model is
-    published as trainer.output_dir/final (what DVC tracks)."""
+    published as trainer.output_dir/final (what DVC tracks). Its own seconds are logged as
+    timing_s/finalize: what of the time between the last step and the process's exit is this work."""
+    began = time.perf_counter()
     final = workers.policy.save_model(str(resume.run_dir / "final"), MODEL)
     model_id = tracker.log_model(
         final,
@@ -292,6 +295,7 @@ def finalize(
     write_atomic(
         Path(cfg.trainer.output_dir) / "latest", lambda tmp: Path(tmp).write_text(resume.run_dir.name + "\n")
     )
+    tracker.log_summary({"timing_s/finalize": time.perf_counter() - began})
     tracker.end("FINISHED")
     return info
 

@@ -31,3 +31,19 @@ def test_the_whole_process_table_takes_medians_over_the_pairs_and_their_ratios()
     assert row == (
         "| w1 | 0 | config | 20 | 11.0 / 22.0 | **2.00** | 14.0 / 35.0 | 2.50 | 0.60 / 2.10 | 3.50 | 0.40 / 1.60 |"
     )
+
+
+def test_our_runs_ends_split_the_teardown_into_the_final_work_and_the_rest():
+    from bench.trl_compare import ends_table
+
+    def ours(first, down, final):
+        return {"process": {"first_rollout_s": first, "teardown_s": down, "finalize_s": final}}
+
+    pairs = [
+        {"trl": {}, "ours": ours(10.0, 3.0, 1.0)},
+        {"trl": {}, "ours": ours(12.0, 2.5, 1.0)},
+        {"trl": {}, "ours": ours(11.0, 4.0, 1.2)},
+    ]
+    result = {"workload": "w1", "beta": 0.0, "mode": "config", "steps": 20, "pairs": pairs}
+    # medians of each column, and of each pair's rest (2.0, 1.5, 2.8), not the difference of two medians
+    assert ends_table([result])[-1] == "| w1 | 0 | config | 11.00 | 3.00 | 1.00 | 2.00 |"
