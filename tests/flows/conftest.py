@@ -142,6 +142,14 @@ _PREPARED_DIRS = ("raw", "clean", "quarantine", "sft")
 _PREPARED: dict[tuple, Path] = {}
 
 
+def scores(root, run_id: str, key: str = "critic/score/mean") -> list[float]:
+    """The values of metric `key` of MLflow run `run_id` (in root/mlruns.db), step by step."""
+    from mlflow.tracking import MlflowClient
+
+    history = MlflowClient(f"sqlite:///{root}/mlruns.db").get_metric_history(run_id, key)
+    return [m.value for m in sorted(history, key=lambda m: m.step)]
+
+
 def run_dir(out) -> Path | None:
     """The run directory a training in output directory `out` writes (runs/<id>); None before there is one."""
     found = sorted((Path(out) / "runs").glob("*"))

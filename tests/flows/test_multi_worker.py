@@ -21,7 +21,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from components.env import RAY_LOOPBACK
-from tests.flows.conftest import sft_ready
+from tests.flows.conftest import scores, sft_ready
 
 pytestmark = pytest.mark.slow
 ITERATIONS = 6
@@ -32,11 +32,6 @@ CONFIG = str(ROOT / "configs" / "arith_grpo.yaml")
 EXACT = "trainer.grad_compression=none"
 # the cluster's runs: user_data's overrides put a run's workers in its own process unless told otherwise
 ON_RAY = "trainer.backend=ray"
-
-
-def scores(root: Path, run_id: str, key: str = "critic/score/mean") -> list[float]:
-    history = MlflowClient(f"sqlite:///{root}/mlruns.db").get_metric_history(run_id, key)
-    return [m.value for m in sorted(history, key=lambda m: m.step)]
 
 
 def test_tensor_parallel_workers_then_one_resuming_them_learn_as_one(tmp_path, prefect_harness, ray_local):
