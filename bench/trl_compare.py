@@ -154,16 +154,14 @@ def ours_result(info: dict, w: str, steps: int) -> dict:
 
     spec = WORKLOADS[w]
     client = mlflow.tracking.MlflowClient(default_tracking_uri())
+    run_metrics = client.get_run(info["run_id"]).data.metrics  # the last value of each
     names = [
         k
-        for k in client.get_run(info["run_id"]).data.metrics
+        for k in run_metrics
         if k.startswith(("timing_s/", "perf/")) or k in ("critic/score/mean", "response_length/mean", *ASYNC)
     ]
     hist = {m: {x.step: x for x in client.get_metric_history(info["run_id"], m)} for m in names}
     ends = {s: x.timestamp / 1000 for s, x in hist["critic/score/mean"].items()}
-    # the run's two ends: process start -> first rollout, and the final save and logged model (their own
-    # timings); last step -> exit is the bench's, from the last step's logged time
-    run_metrics = client.get_run(info["run_id"]).data.metrics
     step_s = [ends[s] - ends[s - 1] for s in range(2, steps)]  # not the first (warm-up) nor the last (test)
     stages = {
         k: statistics.median(h[s].value for s in range(2, steps) if s in h)
@@ -177,6 +175,8 @@ def ours_result(info: dict, w: str, steps: int) -> dict:
         "gen_tokens": [hist["response_length/mean"][s].value * rows for s in sorted(ends)],
         "stages": stages,
         "final_model": info["final_model"],
+        # the run's two ends: process start -> first rollout, and the final save and logged model (their own
+        # timings); last step -> exit is the bench's, from the last step's logged time
         "ends": {
             "first_rollout_s": run_metrics.get("timing_s/startup/first_gen", float("nan")),
             "finalize_s": run_metrics.get("timing_s/finalize", float("nan")),
