@@ -55,14 +55,6 @@ def rss_of(pids: list[int]) -> Callable[[], list[int]]:
     return lambda: [p.memory_info().rss for p in procs]
 
 
-def rss_of_tree(pid: int | None = None) -> list[int]:
-    """[RSS of process `pid` (this one by default), its RSS plus that of all its descendants (Ray's and
-    Prefect's processes)]. A descendant that ends while we look is left out."""
-    me = psutil.Process(pid)
-    own = me.memory_info().rss
-    return [own, own + sum(_or_zero(c.memory_info, "rss") for c in me.children(recursive=True))]
-
-
 def _or_zero(read: Callable, field: str) -> int:
     try:
         return getattr(read(), field)

@@ -41,37 +41,43 @@ ROLES = (
     ("default_worker.py", "ray workers"),  # an idle (warmed) worker
     ("/ray/", "ray services"),  # gcs_server, raylet, the monitors, the minimal dashboard
 )
-CPU_COLUMNS = ("driver", "prefect server", "ray services", "ray workers", "other")
+ROLE_COLUMNS = ("driver", "prefect server", "ray services", "ray workers", "other")
 
 
 def role_of(cmdline: str) -> str:
     return next((role for part, role in ROLES if part in cmdline), "other")
 
 
-class CpuTimeline(BackgroundSampler):
+class TreeTimeline(BackgroundSampler):
     """The cumulative CPU seconds (user + system) of a process and each of its descendants, sampled every
     `interval_s` in a thread while the `with` block runs: samples[i] = (time.time(), {pid: (role, cpu_s)}),
-    a descendant's role `role(its command line)`, the process's own `root`."""
+    a descendant's role `role(its command line)`, the process's own `root`. The same walk reads their RSS:
+    `peak_rss` is the highest sum seen and `rss_at_peak` its split by role at that sample (which role held
+    the memory when the run held the most)."""
 
     def __init__(self, pid: int, interval_s: float = 0.2, role=role_of, root: str = "driver"):
         self.root, self.interval_s = psutil.Process(pid), interval_s
         self.role, self.root_role = role, root
         self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
+        self.peak_rss, self.rss_at_peak = 0, {}
 
     def sample(self) -> None:
-        now, seen = time.time(), {}
+        now, seen, rss = time.time(), {}, {}
         try:
             procs = [self.root, *self.root.children(recursive=True)]
         except psutil.Error:  # the run has ended
             return
         for proc in procs:
             try:
-                t = proc.cpu_times()
+                t, held = proc.cpu_times(), proc.memory_info().rss
                 role = self.root_role if proc.pid == self.root.pid else self.role(" ".join(proc.cmdline()))
             except psutil.Error:  # ended since the listing
                 continue
             seen[proc.pid] = (role, t.user + t.system)
+            rss[role] = rss.get(role, 0) + held
         self.samples.append((now, seen))
+        if sum(rss.values()) > self.peak_rss:
+            self.peak_rss, self.rss_at_peak = sum(rss.values()), rss
 
 
 def cpu_by_role(samples: list[tuple[float, dict[int, tuple[str, float]]]], until: float) -> dict[str, float]:
@@ -121,7 +127,7 @@ def one_run(cmd: list[str], cwd: str | None = None) -> dict[str, float]:
         cwd=cwd,
         env=env,
     )
-    with CpuTimeline(proc.pid) as cpu:
+    with TreeTimeline(proc.pid) as cpu:
         out, err = proc.communicate(timeout=600)
     wall = time.time() - started
     if proc.returncode != 0:
@@ -131,7 +137,7 @@ def one_run(cmd: list[str], cwd: str | None = None) -> dict[str, float]:
     phases = {p: metrics[f"timing_s/startup/{p}"] for p in PHASES}
     first_gen = started + phases["first_gen"]  # Popen's instant stands for the process's start
     used = cpu_by_role(cpu.samples, first_gen)
-    return phases | {"process_wall": wall} | {f"cpu:{r}": used.get(r, 0.0) for r in CPU_COLUMNS}
+    return phases | {"process_wall": wall} | {f"cpu:{r}": used.get(r, 0.0) for r in ROLE_COLUMNS}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -172,10 +178,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     cores = len(os.sched_getaffinity(0))
     print(f"\nmedian CPU seconds until the first rollout, by process ({cores} cores)")
-    print(f"{'':<{width}}" + "".join(f"{c:>16}" for c in (*CPU_COLUMNS, "total", "total / cores")))
+    print(f"{'':<{width}}" + "".join(f"{c:>16}" for c in (*ROLE_COLUMNS, "total", "total / cores")))
     for name, runs in results.items():
-        used = {c: statistics.median(r[f"cpu:{c}"] for r in runs) for c in CPU_COLUMNS}
-        total = statistics.median(sum(r[f"cpu:{c}"] for c in CPU_COLUMNS) for r in runs)
+        used = {c: statistics.median(r[f"cpu:{c}"] for r in runs) for c in ROLE_COLUMNS}
+        total = statistics.median(sum(r[f"cpu:{c}"] for c in ROLE_COLUMNS) for r in runs)
         figures = (*used.values(), total, total / cores)
         print(f"{name:<{width}}" + "".join(f"{v:>16.2f}" for v in figures))
 

@@ -18,7 +18,7 @@ import time
 
 import psutil
 
-from bench.startup import CpuTimeline, cpu_by_role
+from bench.startup import TreeTimeline, cpu_by_role
 
 # a process's kind by its command line, first match wins (an actor's process is named ray::<Class>.<method>)
 KINDS = (
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     before, started = psutil.cpu_times(), time.time()
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *a.pytest_args])
-    with CpuTimeline(proc.pid, 1.0, role=kind_of, root="pytest") as timeline:
+    with TreeTimeline(proc.pid, 1.0, role=kind_of, root="pytest") as timeline:
         rc = proc.wait()
     wall, after = time.time() - started, psutil.cpu_times()
     used = cpu_by_role(timeline.samples, time.time())

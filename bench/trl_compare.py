@@ -33,7 +33,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from bench.memory import PeakSampler, pss_of_tree, rss_of_tree
+from bench.memory import PeakSampler, pss_of_tree
 
 WORKLOADS = {
     "w1": {"prompts": 16, "n": 8, "max_new": 16, "betas": (0.0, 0.04), "model": "sft"},
@@ -97,20 +97,14 @@ def n_params(path: Path) -> int:
     return sum(p.numel() for p in load_model(path).parameters())
 
 
-def memory_samplers(pid: int) -> tuple[PeakSampler, PeakSampler]:
-    """Of process `pid` and its descendants: RSS every 200 ms (a light touch on a 2-core machine), PSS every
-    5 s (it costs far more to read)."""
-    return PeakSampler(partial(rss_of_tree, pid), 0.2), PeakSampler(partial(pss_of_tree, pid), 5.0)
-
-
-def peak_memory(rss: PeakSampler, pss: PeakSampler) -> dict:
-    """Peak RSS (GiB) of the run's process with its descendants (Ray's workers among them), their peak PSS
-    (shared pages counted once), and the run's own process's peak RSS."""
-    own, tree = rss.peak
+def peak_memory(tree, pss: PeakSampler) -> dict:
+    """Peak RSS (GiB) of the run's process with its descendants (Ray's workers among them) and its split by
+    role at that moment, from `tree` (bench.startup.TreeTimeline: RSS read every 200 ms, a light touch on a
+    2-core machine); their peak PSS (shared pages counted once), from `pss`."""
     return {
-        "peak_rss_gib": tree / 2**30,
+        "peak_rss_gib": tree.peak_rss / 2**30,
+        "peak_rss_by_role_gib": {role: held / 2**30 for role, held in tree.rss_at_peak.items()},
         "peak_pss_gib": pss.peak[0] / 2**30,
-        "peak_rss_driver_gib": own / 2**30,
     }
 
 
@@ -353,13 +347,13 @@ def run_child(name: str, w: str, beta: float, steps: int, tag: str, extra: list[
     trl = [sys.executable, "-m", "bench.trl_compare", "--child", "trl", "--workload", w]
     trl += ["--beta", str(beta), "--steps", str(steps), "--child-out", str(out)]
     cmd = ours_command(w, beta, steps, out, extra) if framework == "ours" else trl
-    from bench.startup import CpuTimeline, cpu_by_role
+    from bench.startup import TreeTimeline, cpu_by_role
 
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    rss, pss = memory_samplers(proc.pid)
-    # the whole process tree: Ray's and Prefect's processes too
-    with CpuTimeline(proc.pid) as cpu, rss, pss:
+    # the whole process tree: Ray's and Prefect's processes too; PSS costs far more to read than RSS
+    pss = PeakSampler(partial(pss_of_tree, proc.pid), 5.0)
+    with TreeTimeline(proc.pid) as cpu, pss:
         printed, err = proc.communicate()
     wall, exited = time.perf_counter() - started, time.time()
     if proc.returncode != 0 or (framework == "trl" and not res.is_file()):
@@ -377,7 +371,7 @@ def run_child(name: str, w: str, beta: float, steps: int, tag: str, extra: list[
             "teardown_s": exited - ends["last_step_at"],  # last step -> exit
             "finalize_s": ends["finalize_s"],
         }
-    return {**result, **peak_memory(rss, pss), "process": process}
+    return {**result, **peak_memory(cpu, pss), "process": process}
 
 
 # ---------------------------------------------------------------- figures
@@ -613,6 +607,30 @@ def ends_table(results: list[dict]) -> list[str]:
     return lines
 
 
+def memory_split_table(results: list[dict]) -> list[str]:
+    """Where our run's peak RSS sits, by process role (bench.startup's roles), at the moment the tree held
+    the most, against TRL's one process; medians over the pairs. The floor issue 39's memory target meets:
+    Ray's services and Prefect's server are held whatever the model."""
+    from bench.startup import ROLE_COLUMNS
+
+    lines = [
+        "\n## Our peak RSS by process, at the run's peak, medians over the pairs (GiB)\n",
+        f"| workload | beta | our async_mode | TRL | ours | {' | '.join(ROLE_COLUMNS)} |",
+        "|---|---|---|---|---|" + "---|" * len(ROLE_COLUMNS),
+    ]
+    for r in results:
+        pairs = [p for p in r["pairs"] if "peak_rss_by_role_gib" in p["ours"]]
+        if not pairs:
+            continue
+        split = [_med(p["ours"]["peak_rss_by_role_gib"].get(c, 0.0) for p in pairs) for c in ROLE_COLUMNS]
+        lines.append(
+            f"| {r['workload']} | {r['beta']:g} | {r.get('mode', 'config')} | "
+            f"{_med(p['trl']['peak_rss_gib'] for p in pairs):.2f} | "
+            f"{_med(p['ours']['peak_rss_gib'] for p in pairs):.2f} | {' | '.join(f'{g:.2f}' for g in split)} |"
+        )
+    return lines
+
+
 def report(results: list[dict], meta: dict) -> str:
     lines = [
         "# reinforge vs TRL GRPOTrainer\n",
@@ -647,7 +665,7 @@ def report(results: list[dict], meta: dict) -> str:
             f"{r['start_acc']:.3f} -> {_med(p['trl']['acc'] for p in r['pairs']):.3f} / "
             f"{_med(p['ours']['acc'] for p in r['pairs']):.3f} |"
         )
-    lines += whole_process_table(results) + ends_table(results)
+    lines += whole_process_table(results) + ends_table(results) + memory_split_table(results)
     lines += ["\n## Our step, stage by stage (median seconds)\n"]
     keys = sorted({k for r in results for p in r["pairs"] for k in p["ours"]["stages"]} - set(ASYNC))
     lines += stage_table(results, keys)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from bench.startup import CpuTimeline, cpu_by_role, role_of
+from bench.startup import TreeTimeline, cpu_by_role, role_of
 
 
 def test_each_process_of_a_start_up_gets_its_role():
@@ -38,8 +38,20 @@ def test_the_timeline_sees_the_cpu_of_a_process_and_its_child():
     # the driver burns 0.6 CPU-s, then starts a child that burns 0.6 more and waits for it
     code = f"import subprocess, sys\n{burn}subprocess.run([sys.executable, '-c', {burn!r} + '#ray::Child'])"
     proc = subprocess.Popen([sys.executable, "-c", code])
-    with CpuTimeline(proc.pid, interval_s=0.05) as cpu:
+    with TreeTimeline(proc.pid, interval_s=0.05) as cpu:
         proc.wait(timeout=60)
     used = cpu_by_role(cpu.samples, until=time.time())
     assert 0.3 <= used["driver"] <= 1.5, used  # less than the burn: CPU after the last sample is lost
     assert 0.3 <= used["ray workers"] <= 1.5, used  # `ray::` in its command line, as Ray names its actors
+
+
+def test_the_timeline_splits_the_trees_peak_memory_by_role():
+    # a driver whose child (named as Ray names an actor) holds 200 MiB for a moment
+    hold = "b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); import time; time.sleep(0.6)"
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {hold + '#ray::Child'!r}])"
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    with TreeTimeline(proc.pid, interval_s=0.02) as tree:
+        proc.wait(timeout=60)
+    assert tree.rss_at_peak["ray workers"] >= 180 * 2**20, tree.rss_at_peak  # the child's, not the driver's
+    assert tree.peak_rss == sum(tree.rss_at_peak.values())
+    assert tree.rss_at_peak["driver"] < 100 * 2**20, tree.rss_at_peak

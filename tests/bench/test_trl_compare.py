@@ -47,3 +47,23 @@ def test_our_runs_ends_split_the_teardown_into_the_final_work_and_the_rest():
     result = {"workload": "w1", "beta": 0.0, "mode": "config", "steps": 20, "pairs": pairs}
     # medians of each column, and of each pair's rest (2.0, 1.5, 2.8), not the difference of two medians
     assert ends_table([result])[-1] == "| w1 | 0 | config | 11.00 | 3.00 | 1.00 | 2.00 |"
+
+
+def test_our_peak_memory_is_split_by_role_with_medians_over_the_pairs():
+    from bench.trl_compare import memory_split_table
+
+    def ours(total, driver, workers):
+        split = {"driver": driver, "ray workers": workers, "ray services": 0.5, "prefect server": 0.2}
+        return {"peak_rss_gib": total, "peak_rss_by_role_gib": split}
+
+    pairs = [
+        {"trl": {"peak_rss_gib": 0.6}, "ours": ours(2.2, 0.6, 0.9)},
+        {"trl": {"peak_rss_gib": 0.7}, "ours": ours(2.4, 0.7, 1.0)},
+        {"trl": {"peak_rss_gib": 0.5}, "ours": ours(2.3, 0.5, 1.1)},
+    ]
+    result = {"workload": "w1", "beta": 0.0, "mode": "config", "steps": 20, "pairs": pairs}
+    # the columns in bench.startup's role order; a role no process had ("other") is 0
+    assert (
+        memory_split_table([result])[-1]
+        == "| w1 | 0 | config | 0.60 | 2.30 | 0.60 | 0.20 | 0.50 | 1.00 | 0.00 |"
+    )
