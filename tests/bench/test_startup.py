@@ -33,25 +33,19 @@ def test_cpu_by_role_takes_each_process_s_last_sample_before_the_instant():
     assert cpu_by_role(samples, until=0.5) == {}
 
 
-def test_the_timeline_sees_the_cpu_of_a_process_and_its_child():
+def test_the_timeline_splits_the_cpu_and_the_peak_memory_of_a_process_and_its_child_by_role():
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
-    # the driver burns 0.6 CPU-s, then starts a child that burns 0.6 more and waits for it
-    code = f"import subprocess, sys\n{burn}subprocess.run([sys.executable, '-c', {burn!r} + '#ray::Child'])"
+    hold = "b = bytearray(200 * 2**20)\nb[::4096] = b'x' * len(b[::4096])\n"
+    # the driver burns 0.6 CPU-s, then starts a child (named as Ray names an actor) that holds 200 MiB and
+    # burns 0.6 CPU-s more, and waits for it
+    child = hold + burn + "#ray::Child"
+    code = f"import subprocess, sys\n{burn}subprocess.run([sys.executable, '-c', {child!r}])"
     proc = subprocess.Popen([sys.executable, "-c", code])
-    with TreeTimeline(proc.pid, interval_s=0.05) as cpu:
+    with TreeTimeline(proc.pid, interval_s=0.05) as tree:
         proc.wait(timeout=60)
-    used = cpu_by_role(cpu.samples, until=time.time())
+    used = cpu_by_role(tree.samples, until=time.time())
     assert 0.3 <= used["driver"] <= 1.5, used  # less than the burn: CPU after the last sample is lost
     assert 0.3 <= used["ray workers"] <= 1.5, used  # `ray::` in its command line, as Ray names its actors
-
-
-def test_the_timeline_splits_the_trees_peak_memory_by_role():
-    # a driver whose child (named as Ray names an actor) holds 200 MiB for a moment
-    hold = "b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); import time; time.sleep(0.6)"
-    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {hold + '#ray::Child'!r}])"
-    proc = subprocess.Popen([sys.executable, "-c", parent])
-    with TreeTimeline(proc.pid, interval_s=0.02) as tree:
-        proc.wait(timeout=60)
     assert tree.rss_at_peak["ray workers"] >= 180 * 2**20, tree.rss_at_peak  # the child's, not the driver's
-    assert tree.peak_rss == sum(tree.rss_at_peak.values())
     assert tree.rss_at_peak["driver"] < 100 * 2**20, tree.rss_at_peak
+    assert tree.peak_rss == sum(tree.rss_at_peak.values())
