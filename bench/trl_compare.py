@@ -292,13 +292,18 @@ def child_trl(w: str, beta: float, steps: int, out: Path) -> dict:
 ASYNC = ("async/staleness/mean", "async/staleness/max", "async/partial_samples")
 
 
+def setting_cells(r: dict) -> str:
+    """A result's first cells in every table: its workload, beta and our async_mode."""
+    return f"| {r['workload']} | {r['beta']:g} | {r.get('mode', 'config')} |"
+
+
 def stage_table(results: list[dict], keys: list[str]) -> list[str]:
     """A markdown table of our runs' per-step medians of `keys`, one row per workload, beta and mode."""
     lines = ["| workload | beta | mode | " + " | ".join(keys) + " |", "|---|---|---|" + "---|" * len(keys)]
     for r in results:
         st = [p["ours"]["stages"] for p in r["pairs"]]
         lines.append(
-            f"| {r['workload']} | {r['beta']:g} | {r.get('mode', 'config')} | "
+            f"{setting_cells(r)} "
             + " | ".join(f"{_med(s.get(k, float('nan')) for s in st):.4f}" for k in keys)
             + " |"
         )
@@ -573,7 +578,7 @@ def whole_process_table(results: list[dict]) -> list[str]:
         rss = (med("trl", "peak_rss_gib", ""), med("ours", "peak_rss_gib", ""))
         pss = (med("trl", "peak_pss_gib", ""), med("ours", "peak_pss_gib", ""))
         lines.append(
-            f"| {r['workload']} | {r['beta']:g} | {r.get('mode', 'config')} | {r['steps']} | "
+            f"{setting_cells(r)} {r['steps']} | "
             f"{wall[0]:.1f} / {wall[1]:.1f} | **{wall[1] / wall[0]:.2f}** | {cpu[0]:.1f} / {cpu[1]:.1f} | "
             f"{cpu[1] / cpu[0]:.2f} | {rss[0]:.2f} / {rss[1]:.2f} | {rss[1] / rss[0]:.2f} | "
             f"{pss[0]:.2f} / {pss[1]:.2f} |"
@@ -600,10 +605,7 @@ def ends_table(results: list[dict]) -> list[str]:
             _med(o[k] for o in ours) for k in ("first_rollout_s", "teardown_s", "finalize_s")
         )
         rest = _med(o["teardown_s"] - o["finalize_s"] for o in ours)
-        lines.append(
-            f"| {r['workload']} | {r['beta']:g} | {r.get('mode', 'config')} | {first:.2f} | {down:.2f} | "
-            f"{final:.2f} | {rest:.2f} |"
-        )
+        lines.append(f"{setting_cells(r)} {first:.2f} | {down:.2f} | {final:.2f} | {rest:.2f} |")
     return lines
 
 
@@ -624,7 +626,7 @@ def memory_split_table(results: list[dict]) -> list[str]:
             continue
         split = [_med(p["ours"]["peak_rss_by_role_gib"].get(c, 0.0) for p in pairs) for c in ROLE_COLUMNS]
         lines.append(
-            f"| {r['workload']} | {r['beta']:g} | {r.get('mode', 'config')} | "
+            f"{setting_cells(r)} "
             f"{_med(p['trl']['peak_rss_gib'] for p in pairs):.2f} | "
             f"{_med(p['ours']['peak_rss_gib'] for p in pairs):.2f} | {' | '.join(f'{g:.2f}' for g in split)} |"
         )
@@ -652,7 +654,7 @@ def report(results: list[dict], meta: dict) -> str:
             for p in r["pairs"]
         )
         lines.append(
-            f"| {r['workload']} | {r['beta']:g} | {r.get('mode', 'config')} | {r['params'] / 1e6:.1f} M | "
+            f"{setting_cells(r)} {r['params'] / 1e6:.1f} M | "
             f"{_med(s['s_per_step'] for s in t):.3f} "
             f"({min(s['min_s'] for s in t):.3f}-{max(s['max_s'] for s in t):.3f}) | "
             f"{_med(s['s_per_step'] for s in o):.3f} ({min(s['min_s'] for s in o):.3f}-"
