@@ -76,8 +76,8 @@ class TreeTimeline(BackgroundSampler):
             seen[proc.pid] = (role, t.user + t.system)
             rss[role] = rss.get(role, 0) + held
         self.samples.append((now, seen))
-        if sum(rss.values()) > self.peak_rss:
-            self.peak_rss, self.rss_at_peak = sum(rss.values()), rss
+        if (total := sum(rss.values())) > self.peak_rss:
+            self.peak_rss, self.rss_at_peak = total, rss
 
 
 def cpu_by_role(samples: list[tuple[float, dict[int, tuple[str, float]]]], until: float) -> dict[str, float]:
