@@ -29,6 +29,11 @@ class ResourceError(ReinforgeError):
     """The Ray cluster has no room for the workers the run asks for."""
 
 
+class TrainingDiverged(ReinforgeError):
+    """An update made the loss, the gradient norm or the weights non-finite: the run stops at that step, before
+    anything of it is checkpointed or registered."""
+
+
 class OutputError(ReinforgeError):
     """An output cannot be written: a full disk, no permission, or a path that is not ours to replace."""
 

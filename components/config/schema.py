@@ -138,7 +138,8 @@ class ModelConfig(Section):
 
 class OptimizerConfig(Section):
     type: Literal["adamw", "adam", "sgd"] = Field("adamw", description="torch optimizer")
-    lr: float = Field(1e-4, gt=0, description="peak learning rate")
+    # optimizers apply the rate in the weights' float32: a larger one overflows inside the step
+    lr: float = Field(1e-4, gt=0, le=3.0e38, description="peak learning rate")
     weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay")
     warmup_steps: int = Field(0, ge=0, description="linear warm-up steps, then constant")
     grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")

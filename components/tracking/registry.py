@@ -4,16 +4,23 @@ A version points at a logged model (`models:/<id>`), whose files MLflow keeps ap
 so no later run can change what a version holds. Promotion compares the candidate's held-out accuracy with the
 champion's measured on the same evaluation set (the same file, the same rows): the candidate takes the alias
 `champion` when it is better, else `challenger`. The decision and its figures are tags of the version.
+
+The gate is two pure functions over what the registry records: `find_champion` (the alias's version, or, when
+the alias is missing, dangling or on a version without a finite metric, the best version with one) and
+`decide`. A non-finite metric never promotes and is never a champion to beat.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from components.errors import ReinforgeError
 from components.tracking.mlflow_tracker import default_tracking_uri
 
 CHAMPION, CHALLENGER = "champion", "challenger"
@@ -28,14 +35,6 @@ def _client() -> MlflowClient:
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     return MlflowClient(uri, registry_uri=uri)
-
-
-def champion(name: str):
-    """The version holding the `champion` alias, or None."""
-    try:
-        return _client().get_model_version_by_alias(name, CHAMPION)
-    except MlflowException:
-        return None
 
 
 def download_version(name: str, version: str, dst: str | Path) -> Path:
@@ -57,19 +56,111 @@ def download_version(name: str, version: str, dst: str | Path) -> Path:
     return logged / artifacts[WEIGHTS]["path"]
 
 
+class PromotionRefused(ReinforgeError):
+    """The registry's state leaves no champion to compare with and no safe guess: a person decides."""
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A registered version as the gate sees it: its number and the held-out metric it was registered with
+    (None when the tag is missing or not a number) on its evaluation set."""
+
+    version: str
+    acc: float | None
+    eval_set: str | None
+
+    @property
+    def valid(self) -> bool:
+        return self.acc is not None and math.isfinite(self.acc)
+
+    @classmethod
+    def of(cls, mv) -> Recorded:
+        """From an MLflow ModelVersion's tags."""
+        try:
+            acc = float(mv.tags[ACC])
+        except (KeyError, TypeError, ValueError):
+            acc = None
+        return cls(str(mv.version), acc, mv.tags.get(EVAL_SET))
+
+
+def find_champion(
+    name: str, alias_version: str | None, versions: list[Recorded], eval_set: str
+) -> tuple[Recorded | None, str]:
+    """The version to beat and how it was found. The alias's version when it exists with a finite metric;
+    otherwise the best version with a finite metric (on `eval_set` if any is, else on any set; the earliest of
+    equals, which the later ones did not beat), or None when no version has one. An alias on a version that no
+    longer exists, with no finite metric anywhere to recover from, is refused (PromotionRefused)."""
+    by_number = {r.version: r for r in versions}
+    if alias_version in by_number and by_number[alias_version].valid:
+        return by_number[alias_version], "the champion alias"
+    if alias_version is None:
+        why = "no version holds the champion alias"
+    elif alias_version not in by_number:
+        why = f"the champion alias points at version {alias_version}, which no longer exists"
+    else:
+        why = f"the champion, version {alias_version}, has no finite recorded {ACC} ({by_number[alias_version].acc})"
+    usable = [r for r in versions if r.valid]
+    if not usable:
+        if alias_version is not None and alias_version not in by_number:
+            raise PromotionRefused(
+                f"registered model {name}: {why}, and no other version has a finite recorded {ACC} to recover "
+                f"the champion from. Set the alias by hand (MlflowClient().set_registered_model_alias("
+                f"'{name}', 'champion', <version>)) or delete it, then run again."
+            )
+        return None, f"{why}; no version has a finite recorded {ACC}"
+    pool = [r for r in usable if r.eval_set == eval_set] or usable
+    best = max(pool, key=lambda r: (r.acc, -int(r.version)))
+    return best, f"{why}; recovered as version {best.version}, the best finite recorded {ACC}"
+
+
+def decide(acc: float, champ: Recorded | None, champ_acc: float | None, found: str) -> dict:
+    """The candidate's alias and why: `champion` only for a finite `acc` that beats the champion's `champ_acc`
+    (measured on the candidate's evaluation set; a non-finite one is beaten by any finite figure), or with no
+    champion at all; else `challenger`."""
+    if not math.isfinite(acc):
+        return {
+            "alias": CHALLENGER,
+            "reason": f"its held-out acc is {acc}: a non-finite metric never promotes",
+        }
+    if champ is None:
+        return {"alias": CHAMPION, "reason": f"the first version with a finite metric ({found})"}
+    better = champ_acc is None or not math.isfinite(champ_acc) or acc > champ_acc
+    return {
+        "alias": CHAMPION if better else CHALLENGER,
+        "champion_version": champ.version,
+        "champion_acc": champ_acc,
+        "champion_found": found,
+        "reason": f"acc {acc:.4f} {'beats' if better else 'does not beat'} the champion's "
+        f"{champ_acc:.4f} on the same evaluation set",
+    }
+
+
+def alias_target(client: MlflowClient, name: str) -> str | None:
+    """The version number the champion alias names, whether or not that version still exists."""
+    aliases = client.get_registered_model(name).aliases or {}
+    return str(aliases[CHAMPION]) if CHAMPION in aliases else None
+
+
 def register_candidate(
     name: str, model_id: str, run_id: str, acc: float, eval_set: str, measure: Callable[[str], float]
 ) -> dict:
     """Register logged model `model_id` (held-out accuracy `acc` on the evaluation set `eval_set`, a digest of
-    the file and rows) as a new version of `name` and decide its alias. The champion's accuracy is the one it
-    was registered with when that was measured on the same set; otherwise `measure(version)` measures it now
-    on this one. Returns the decision with its figures (also set as tags of the new version)."""
+    the file and rows) as a new version of `name` and decide its alias (find_champion, then decide). The
+    champion's accuracy is the one it was registered with when that was measured on the same set; otherwise
+    `measure(version)` measures it now on this one. Returns the decision with its figures (also set as tags of
+    the new version)."""
     client = _client()
     try:
         client.create_registered_model(name)
     except MlflowException:
         pass  # already exists
-    current = champion(name)
+    versions = [Recorded.of(mv) for mv in client.search_model_versions(f"name='{name}'")]
+    champ, found = find_champion(name, alias_target(client, name), versions, eval_set)
+    measured_now = champ is not None and champ.eval_set != eval_set
+    champ_acc = (measure(champ.version) if measured_now else champ.acc) if champ is not None else None
+    decision = decide(acc, champ, champ_acc, found)
+    if champ is not None:
+        decision["champion_acc_measured_now"] = measured_now
     version = client.create_model_version(
         name,
         f"models:/{model_id}",
@@ -78,20 +169,6 @@ def register_candidate(
         tags={ACC: str(acc), EVAL_SET: eval_set},
     ).version
     version = str(version)
-    if current is None:
-        decision = {"alias": CHAMPION, "reason": "the first version of this model"}
-    else:
-        same_set = current.tags.get(EVAL_SET) == eval_set and ACC in current.tags
-        champ_acc = float(current.tags[ACC]) if same_set else measure(str(current.version))
-        better = acc > champ_acc
-        decision = {
-            "alias": CHAMPION if better else CHALLENGER,
-            "champion_version": str(current.version),
-            "champion_acc": champ_acc,
-            "champion_acc_measured_now": not same_set,
-            "reason": f"acc {acc:.4f} {'beats' if better else 'does not beat'} the champion's "
-            f"{champ_acc:.4f} on the same evaluation set",
-        }
     client.set_registered_model_alias(name, decision["alias"], version)
     for key, value in decision.items():
         client.set_model_version_tag(name, version, f"decision.{key}", str(value))

@@ -13,6 +13,7 @@ longest prompt and response, so padding columns no row needs are never computed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from components.algorithms.losses import AggParams
 from components.batch import Batch
 from components.data.sampler import pack_by_tokens
+from components.errors import TrainingDiverged
 from components.settings import LoopSettings
 from components.training.distributed import Comm, make_step
 from components.training.logprobs import response_attention
@@ -147,4 +149,55 @@ def minibatch_update(
     out = {k: v / n_steps for k, v in zip(keys, comm.sum([sums[k] for k in keys]))}
     out[f"{prefix}/grad_norm"] = sum(grad_norms) / n_steps
     out[f"{prefix}/lr"] = sum(lrs) / n_steps
+    # with fp16's loss scaling an infinite gradient is routine (the scaler skips that step)
+    watched = {k: v for k, v in out.items() if k.endswith("loss") or (k.endswith("grad_norm") and not scaler)}
+    if pipeline is None:  # a pipeline's stages hold no whole model to run a row through
+        watched[f"{prefix}/loss_after_step"] = loss_after_step(batch, micro_loss, s.norm_const)
+    iteration = batch.meta.get("iteration", step + 1)
+    check_finite(watched, model, comm, prefix, iteration, out[f"{prefix}/lr"])
     return out
+
+
+def loss_after_step(batch: Batch, micro_loss: MicroLoss, norm_const) -> float:
+    """The loss of the batch's first row at the weights the update left. A step too large can leave finite
+    weights whose forward is already NaN (lr=1e20 on the tiny model); this shows it before the weights reach
+    the engine or a checkpoint. One row, no gradient: a small fraction of the update's cost."""
+    row = trim_padding(batch.select([0]))
+    agg = AggParams(max(float(row.tensors["response_mask"].sum()), 1.0), 1.0, norm_const)
+    with torch.no_grad():
+        loss, _ = micro_loss(row, agg)
+    return float(loss)
+
+
+def non_finite_weights(model: torch.nn.Module) -> list[str]:
+    """Names of the parameters of this worker (its shard, for sharded ones) holding a NaN or an infinity."""
+    names = []
+    for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor's shard on this rank
+        if local.numel() and not bool(torch.isfinite(local.detach()).all()):
+            names.append(name)
+    return names
+
+
+def check_finite(
+    metrics: dict[str, float], model: torch.nn.Module, comm: Comm, prefix: str, iteration: int, lr: float
+) -> None:
+    """Stop the run when this update made its loss, gradient norm or weights non-finite: every worker
+    checks its own share and all of them agree (so none waits in a collective for one that raised). Raised
+    before the weights reach the engine or a checkpoint, so the last good checkpoint stays `latest`."""
+    bad_metrics = [f"{k}={v}" for k, v in metrics.items() if not math.isfinite(v)]
+    bad_weights = non_finite_weights(model)
+    if not comm.max(int(bool(bad_metrics or bad_weights))):
+        return
+    if bad_metrics:
+        what = ", ".join(bad_metrics)
+    elif bad_weights:
+        what = f"{len(bad_weights)} weight tensors non-finite (first {bad_weights[0]})"
+    else:
+        what = "another worker's weights non-finite"
+    raise TrainingDiverged(
+        f"iteration {iteration}: the {prefix} update diverged ({what}); the step size is the likely cause: "
+        f"lower {prefix}.optimizer.lr (now {lr:g}) or "
+        f"{prefix}.optimizer.grad_clip. Nothing of this iteration was checkpointed or registered; the last "
+        "good checkpoint stays `latest`, and a resumed run starts from it."
+    )

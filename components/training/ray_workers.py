@@ -67,6 +67,10 @@ class Actors:
         try:
             return self.transport.get(refs, self.timeout_s)
         except self.transport.task_error as exc:
+            if isinstance(
+                exc.cause, ReinforgeError
+            ):  # our message (a diverged update, a bad reward), not Ray's
+                raise exc.cause from None
             # a collective whose peer died (its node lost) fails on the survivors too, "connection closed by
             # peer", and Ray raises the first failure in the list: the death is the cause, and what the flow
             # rebuilds the group from
@@ -292,10 +296,6 @@ class RewardGroup(Actors):
                 f"trainer.stage_timeout_s={self.timeout_s:g} s; {exc.done}. Make the reward function faster, or "
                 "raise trainer.stage_timeout_s."
             ) from None
-        except ray.exceptions.RayTaskError as exc:
-            if isinstance(exc.cause, ReinforgeError):  # our message, not Ray's wrapper around it
-                raise exc.cause from None
-            raise
 
 
 class Workers:

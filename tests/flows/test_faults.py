@@ -368,3 +368,63 @@ def test_a_state_another_client_sets_stops_the_run(start, prefect_api):
         "mlflow_run_id"
     ]
     assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(run_id).info.status == "KILLED"
+
+
+def _failed_runs() -> set[str]:
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name("e2e")
+    if experiment is None:
+        return set()
+    return {
+        r.info.run_id for r in client.search_runs(experiment.experiment_id, "attributes.status = 'FAILED'")
+    }
+
+
+def test_an_absurd_learning_rate_stops_the_run_in_one_line_before_any_checkpoint(start):
+    """`reinforge train` with a finite but absurd learning rate (its first step leaves weights whose forward is
+    NaN): exit 2, one line naming the iteration and actor.optimizer.lr, no traceback; nothing checkpointed, no
+    final model, its MLflow run FAILED."""
+    root, ov = start
+    out, failed = root / "diverged", _failed_runs()
+    proc = _train_until(ov, out, "never", None, LOCAL, "actor.optimizer.lr=1e20", "trainer.save_interval=1")
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert "Traceback" not in output and last.startswith("error: iteration 1: the actor update diverged"), (
+        last
+    )
+    assert "actor.optimizer.lr (now 1e+20)" in last
+    assert not list((run_dir(out) / "checkpoints").glob("iter_*")) and not list(out.rglob("final"))
+    assert len(_failed_runs() - failed) == 1
+
+
+def test_weights_gone_bad_mid_run_stop_it_and_the_last_good_checkpoint_stays_latest(start, monkeypatch):
+    """A weight turns NaN before the third update (a fault injected into the policy worker in this process):
+    the run fails at iteration 3, checkpoints 1 and 2 verify, `latest` names iteration 2, and nothing of 3 or
+    after is written."""
+    from components.errors import TrainingDiverged
+    from components.training.actor import PolicyTrainer
+    from flows.train import train_flow
+
+    root, ov = start
+    real = PolicyTrainer.update
+
+    def poisoned(self, batch):
+        if self.steps == 2:
+            with torch.no_grad():
+                next(self.model.parameters()).view(-1)[0] = float("nan")
+        return real(self, batch)
+
+    monkeypatch.setattr(PolicyTrainer, "update", poisoned)
+    failed = _failed_runs()
+    out = [f"trainer.output_dir={root}/poisoned", LOCAL, "trainer.save_interval=1"]
+    state = train_flow("configs/arith_grpo.yaml", ov + out, return_state=True)
+    assert state.is_failed(), state
+    with pytest.raises(TrainingDiverged, match=r"^iteration 3: the actor update diverged"):
+        state.result()
+    ckroot = run_dir(root / "poisoned") / "checkpoints"
+    assert sorted(p.name for p in ckroot.glob("iter_*")) == ["iter_000001", "iter_000002"]
+    assert (ckroot / "latest").read_text().strip() == "iter_000002"
+    checkpoints.verify(ckroot / "iter_000002")
+    assert not list((root / "poisoned").rglob("final"))
+    assert len(_failed_runs() - failed) == 1

@@ -8,7 +8,16 @@ from mlflow.tracking import MlflowClient
 
 from components.models import build_char_tokenizer, save_pretrained
 from components.tracking.mlflow_tracker import Tracker, metric_name
-from components.tracking.registry import CHALLENGER, CHAMPION, download_version, register_candidate
+from components.tracking.registry import (
+    CHALLENGER,
+    CHAMPION,
+    PromotionRefused,
+    Recorded,
+    decide,
+    download_version,
+    find_champion,
+    register_candidate,
+)
 from tests.conftest import make_model
 
 
@@ -132,3 +141,90 @@ def test_a_run_missing_from_the_tracking_store_starts_a_new_one(tmp_path, store)
     fresh = Tracker("steps", "r", run_id="0123456789abcdef0123456789abcdef")
     assert not fresh.resumed and fresh.run_id != "0123456789abcdef0123456789abcdef"
     assert store.get_run(fresh.run_id).info.status == "RUNNING"
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def rec(version: int, acc: float | None, eval_set: str = "a") -> Recorded:
+    return Recorded(str(version), acc, eval_set)
+
+
+@pytest.mark.parametrize(
+    ("alias", "versions", "champion", "how"),
+    [
+        # the alias's version, with a finite metric: it is the champion
+        ("2", [rec(1, 0.9), rec(2, 0.5)], "2", "the champion alias"),
+        # no versions: nothing to beat
+        (None, [], None, "no version holds the champion alias"),
+        # no alias, versions recorded: the best finite one (a NaN is never a champion)
+        (None, [rec(1, 0.4), rec(2, NAN), rec(3, 0.6)], "3", "recovered as version 3"),
+        # the alias on a deleted version: the best of those left
+        ("9", [rec(1, 0.4), rec(2, 0.7), rec(3, 0.6)], "2", "version 9, which no longer exists"),
+        # the alias on a NaN champion (registered before the gate refused them): recovered past it
+        ("2", [rec(1, 0.4), rec(2, NAN)], "1", "has no finite recorded eval_acc (nan)"),
+        # an infinite or unreadable metric is as invalid as a NaN
+        (None, [rec(1, INF), rec(2, None), rec(3, 0.1)], "3", "recovered as version 3"),
+        # equal metrics: the earliest, which the later one did not beat
+        (None, [rec(1, 0.5), rec(2, 0.5)], "1", "recovered as version 1"),
+        # the same evaluation set is preferred over a better figure on another
+        (None, [rec(1, 0.9, "b"), rec(2, 0.5, "a")], "2", "recovered as version 2"),
+        # only other sets: the best of them (measured again on this set by the caller)
+        (None, [rec(1, 0.9, "b"), rec(2, 0.5, "c")], "1", "recovered as version 1"),
+        # no alias and nothing finite: no champion (the candidate is the first valid one)
+        (None, [rec(1, NAN)], None, "no version has a finite recorded eval_acc"),
+    ],
+)
+def test_the_champion_is_found_or_recovered_from_the_recorded_versions(alias, versions, champion, how):
+    found, why = find_champion("m", alias, versions, "a")
+    assert (found.version if found else None) == champion
+    assert how in why
+
+
+def test_a_dangling_alias_with_nothing_finite_to_recover_from_is_refused_in_one_line():
+    with pytest.raises(PromotionRefused) as err:
+        find_champion("m", "7", [rec(1, NAN), rec(2, None)], "a")
+    message = str(err.value)
+    assert "\n" not in message and "version 7, which no longer exists" in message
+    assert "set_registered_model_alias('m', 'champion', <version>)" in message
+
+
+@pytest.mark.parametrize(
+    ("acc", "champ", "champ_acc", "alias", "reason"),
+    [
+        (NAN, None, None, CHALLENGER, "nan: a non-finite metric never promotes"),
+        (INF, rec(1, 0.5), 0.5, CHALLENGER, "inf: a non-finite metric never promotes"),
+        (-INF, rec(1, 0.5), 0.5, CHALLENGER, "a non-finite metric never promotes"),
+        (0.3, None, None, CHAMPION, "the first version with a finite metric"),
+        (0.6, rec(1, 0.5), 0.5, CHAMPION, "acc 0.6000 beats the champion's 0.5000"),
+        (0.5, rec(1, 0.5), 0.5, CHALLENGER, "acc 0.5000 does not beat the champion's 0.5000"),
+        (0.4, rec(1, 0.5), 0.5, CHALLENGER, "does not beat"),
+        # a champion measured now on this set as NaN is beaten by any finite figure
+        (0.0, rec(1, 0.9, "b"), NAN, CHAMPION, "beats the champion's nan"),
+    ],
+)
+def test_the_gate_decides_each_case(acc, champ, champ_acc, alias, reason):
+    decision = decide(acc, champ, champ_acc, "how")
+    assert decision["alias"] == alias and reason in decision["reason"]
+
+
+def test_a_nan_candidate_and_a_deleted_champion_never_promote_the_wrong_model(tmp_path, store):
+    """Through MLflow's registry: a NaN candidate stays a challenger; with the champion's version deleted by
+    hand, the next candidate is compared with the best version left, not promoted as the first one."""
+    ids = [logged(tmp_path / str(i), seed=i) for i in range(5)]
+
+    def measure(version):
+        raise AssertionError("every version was measured on this set")
+
+    register_candidate("m", ids[0][1], ids[0][0], 0.8, "set-a", measure)  # v1 champion
+    nan = register_candidate("m", ids[1][1], ids[1][0], NAN, "set-a", measure)  # v2
+    assert nan["alias"] == CHALLENGER and "never promotes" in nan["reason"]
+    assert str(store.get_model_version_by_alias("m", CHAMPION).version) == "1"
+    register_candidate("m", ids[2][1], ids[2][0], 0.9, "set-a", measure)  # v3 champion
+    store.delete_model_version("m", "3")  # by hand: the alias goes with it, or dangles
+    worse = register_candidate("m", ids[3][1], ids[3][0], 0.5, "set-a", measure)  # v4
+    assert worse["alias"] == CHALLENGER and worse["champion_version"] == "1"
+    assert "recovered as version 1" in store.get_model_version("m", "4").tags["decision.champion_found"]
+    better = register_candidate("m", ids[4][1], ids[4][0], 0.85, "set-a", measure)  # v5
+    assert better["alias"] == CHAMPION and better["champion_acc"] == 0.8
+    assert str(store.get_model_version_by_alias("m", CHAMPION).version) == "5"

@@ -1,8 +1,10 @@
 """The policy update: gradient-accumulation invariance and that an update really changes every weight."""
 
+import pytest
 import torch
 
 from components.batch import Batch
+from components.errors import TrainingDiverged
 from components.settings import LoopSettings, PolicyLossParams, UpdateSettings
 from components.training.actor import PolicyTrainer
 from tests.conftest import make_model
@@ -126,3 +128,34 @@ def test_rollout_probability_gap_is_the_token_mean_of_abs_prob_differences(token
         s = UpdateSettings(LoopSettings(micro_batch_size=micro), loss=PolicyLossParams(agg_mode="token-mean"))
         metrics = PolicyTrainer(model, None, opt, sched, s).update(batch.union(rollout_logprobs=rollout))
         assert abs(metrics["training/rollout_probs_diff_mean"] - want) < 1e-6, (micro, metrics)
+
+
+def diverging_trainer(tokenizer, lr: float) -> PolicyTrainer:
+    torch.manual_seed(0)
+    model = make_model(tokenizer)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    s = UpdateSettings(LoopSettings(micro_batch_size=4, grad_clip=1.0), loss=PolicyLossParams())
+    return PolicyTrainer(model, None, opt, sched, s)
+
+
+@pytest.mark.parametrize("lr", [1e6, 1e20, 1e30])
+def test_an_absurd_learning_rate_stops_the_update_in_one_line_naming_the_iteration_and_key(tokenizer, lr):
+    """A finite step so large that the weights it leaves give a NaN forward (or are NaN themselves): an update
+    raises before its weights can reach the engine or a checkpoint, naming the iteration and the key."""
+    trainer = diverging_trainer(tokenizer, lr)
+    with pytest.raises(TrainingDiverged) as err:
+        for iteration in range(1, 6):
+            batch = synthetic_batch(tokenizer, seed=iteration)
+            batch.meta["iteration"] = iteration
+            trainer.update(batch)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"iteration {iteration}: the actor update diverged")
+    assert f"actor.optimizer.lr (now {lr:g})" in message and "last good checkpoint stays `latest`" in message
+
+
+def test_a_non_finite_loss_stops_the_update_naming_the_metric(tokenizer):
+    batch = synthetic_batch(tokenizer)
+    batch = batch.union(advantages=batch.tensors["advantages"] * float("nan"))
+    with pytest.raises(TrainingDiverged, match=r"actor/pg_loss=nan"):
+        diverging_trainer(tokenizer, 1e-3).update(batch)
