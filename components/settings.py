@@ -459,6 +459,7 @@ class Placement:
     overlap: bool = False  # an asynchronous mode: the engine samples while the policy updates
     rollout_resources: dict = field(default_factory=dict)  # custom resources of each engine actor
     backend: str = "ray"  # trainer.backend: Ray actors, or every worker in the driver's process
+    ray_start_timeout_s: float = 120.0  # trainer.ray_start_timeout_s: a local Ray instance's start
 
     @classmethod
     def from_config(cls, cfg: Config, algo: ResolvedAlgorithm) -> Placement:
@@ -483,6 +484,7 @@ class Placement:
             trust_remote_code=cfg.actor.model.trust_remote_code,
             overlap=t.async_mode != "sync",
             backend=t.backend,
+            ray_start_timeout_s=t.ray_start_timeout_s,
         )
 
     def colocated(self, n: int, engine_type: str) -> bool:

@@ -23,9 +23,14 @@ def start_ray_checking_config(args: argparse.Namespace) -> int:
 
     failed, cfg = checked_config(args.config, args.overrides, args.debug)
     if not failed and cfg.trainer.backend in RAY_BACKENDS:
+        from components.errors import ReinforgeError
         from components.training.cluster import ensure_ray
+        from flows._args import report
 
-        ensure_ray(warm_workers=True)  # one run per process: its actors take the warmed workers
+        try:  # one run per process: its actors take the warmed workers
+            ensure_ray(warm_workers=True, start_timeout_s=cfg.trainer.ray_start_timeout_s)
+        except ReinforgeError as exc:  # Ray did not start (a busy machine): one line
+            return report(exc, args.debug)
     return failed
 
 
@@ -56,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(module).main(extra + argv[1:])
     from components.gc_pause import collector_paused, freeze_for_exit
 
+    if argv[0] in RUN_RAY:  # another run in its output directory, or not ours to write: say so before
+        from flows._args import free_to_train  # any service starts
+
+        pipeline = "nightly" if argv[0] == "nightly" else None  # the name nightly_flow's lock gives
+        if failed := free_to_train(args.config, args.overrides, pipeline, args.debug):
+            return failed
     with collector_paused():  # the imports and the services' start: objects the whole run keeps
         from components.services import start_prefect_server_early
 

@@ -512,6 +512,12 @@ class TrainerConfig(Section):
         description="seconds Ray (RAY_ADDRESS), MLflow (MLFLOW_TRACKING_URI) "
         "and Prefect (PREFECT_API_URL) have to answer at start",
     )
+    ray_start_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="seconds a local Ray instance has to start (its GCS's wait; Ray's raylet waits a fixed 30 "
+        "s, so a start that fails is tried once more): a loaded machine takes longer than Ray's defaults",
+    )
     max_worker_rebuilds: int = Field(
         3,
         ge=0,

@@ -117,6 +117,7 @@ STAGES: dict[str, StageKeys] = {
             "trainer.checkpoint_format",
             "trainer.stage_timeout_s",
             "trainer.connect_timeout_s",
+            "trainer.ray_start_timeout_s",
             "trainer.max_worker_rebuilds",
             "trainer.output_dir",
             "trainer.run_dir",

@@ -31,5 +31,5 @@ def starts_ahead(plan: RunPlan) -> bool:
 def starting(plan: RunPlan) -> ray_workers.Started:
     """What a start of the plan's workers records them in, its backend made ready (in the main thread)."""
     if plan.placement.backend in RAY_BACKENDS:
-        ensure_ray()
+        ensure_ray(start_timeout_s=plan.placement.ray_start_timeout_s)
     return ray_workers.Started(BACKENDS.info(plan.placement.backend)["transport"])

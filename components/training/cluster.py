@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import ray
 
+from components.errors import ServiceError
 from components.shutdown import reclaim_signals
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -24,10 +26,16 @@ WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
 WARM_WORKERS = 2
 
 
-def ensure_ray(warm_workers: bool = False) -> None:
+# Ray's own wait for its GCS follows this variable; the raylet's registration wait is a fixed 30 s
+GCS_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"
+START_TRIES = 2
+
+
+def ensure_ray(warm_workers: bool = False, start_timeout_s: float = 120.0) -> None:
     """ray.init() once: RAY_ADDRESS's cluster (shipping our code to it) or a local instance. Every call (in the
     main thread) puts our signal handlers back: a library that started since (Prefect's flow engine, or Ray
-    itself) may have replaced them.
+    itself) may have replaced them. A local instance that does not start (a loaded machine) is tried once
+    more, its GCS given `start_timeout_s` (trainer.ray_start_timeout_s); then ServiceError in one line.
 
     `warm_workers` (a process that runs one training run, started by `reinforge`): the local instance starts
     WARM_WORKERS idle worker processes at once, which import WORKER_MODULES while this process still imports the
@@ -51,27 +59,57 @@ def ensure_ray(warm_workers: bool = False) -> None:
         # once warmed, that a run may never use). Token authentication stays on (Ray's default for a local
         # instance), without the notice Ray prints about it on every run
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        ray.init(
-            address="local",
-            num_cpus=max(8, os.cpu_count() or 2),
-            include_dashboard=False,
-            log_to_driver=True,
-            configure_logging=False,
-            _system_config={
-                "enable_worker_prestart": False,
-                "prestart_worker_first_driver": warm_workers,
-                "worker_niceness": 0,
-            }
-            | (
-                {
-                    "preload_python_modules": ["components.training.preload"],
-                    "num_workers_soft_limit": WARM_WORKERS,
-                }
-                if warm_workers
-                else {}
-            ),
-        )
+        start_local(warm_workers, start_timeout_s)
     reclaim_signals()
+
+
+def local_init(warm_workers: bool) -> None:
+    """ray.init() of a local instance (see ensure_ray)."""
+    ray.init(
+        address="local",
+        num_cpus=max(8, os.cpu_count() or 2),
+        include_dashboard=False,
+        log_to_driver=True,
+        configure_logging=False,
+        _system_config={
+            "enable_worker_prestart": False,
+            "prestart_worker_first_driver": warm_workers,
+            "worker_niceness": 0,
+        }
+        | (
+            {
+                "preload_python_modules": ["components.training.preload"],
+                "num_workers_soft_limit": WARM_WORKERS,
+            }
+            if warm_workers
+            else {}
+        ),
+    )
+
+
+def start_local(warm_workers: bool, timeout_s: float) -> None:
+    """A local instance, started in at most START_TRIES tries (the processes of a failed one stopped first): a
+    machine at load 20-47 on 2 cores has been seen to take longer than Ray's fixed waits. ServiceError in one line naming
+    what timed out and what to set when it still does not start."""
+    os.environ.setdefault(GCS_WAIT_ENV, str(max(1, round(timeout_s))))
+    began = time.monotonic()
+    for attempt in range(1, START_TRIES + 1):
+        try:
+            local_init(warm_workers)
+            return
+        except Exception as exc:  # noqa: BLE001 - Ray raises plain Exception and RuntimeError on a slow start
+            ray.shutdown()  # the processes it had started
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            if attempt < START_TRIES and time.monotonic() - began < timeout_s:
+                logging.getLogger("reinforge").warning("Ray did not start (%s); trying once more", first)
+                continue
+            load = os.getloadavg()[0]
+            raise ServiceError(
+                f"a local Ray instance did not start in {attempt} tries ({time.monotonic() - began:.0f} s; "
+                f"Ray said: {first}); this machine's load is {load:.1f} on {os.cpu_count()} cores. Raise "
+                f"trainer.ray_start_timeout_s (now {timeout_s:g}), run when the machine is less busy, or "
+                "run without Ray: trainer.backend=local."
+            ) from None
 
 
 def stop_ray() -> None:

@@ -74,3 +74,53 @@ def test_a_stages_summary_shows_nested_figures_and_dates_not_epochs():
     assert lines[0][0] == "created" and lines[0][1].startswith("2026-12-")  # a date, in the local timezone
     assert ["sft.acc", "0.3"] in lines and ["final.acc", "0.6049"] in lines and ["iterations", "100"] in lines
     assert not any(line[0] == "x" or line[0].startswith("fingerprint_config") for line in lines)
+
+
+def paths_under(root, out) -> list[str]:
+    """A small run's overrides with every path under `root` and its training output in `out`."""
+    from tests.flows.conftest import small_overrides
+
+    kept = [o for o in small_overrides(root) if not o.startswith("trainer.output_dir=")]
+    return [*kept, f"trainer.output_dir={out}"]
+
+
+def _no_services(monkeypatch):
+    """Prefect's server and Ray fail the test if anything starts them."""
+    from components import services
+    from components.training import cluster
+
+    def started(*args, **kwargs):
+        raise AssertionError("a service started before the output directory was checked")
+
+    monkeypatch.setattr(services, "start_prefect_server_early", started)
+    monkeypatch.setattr(cluster, "ensure_ray", started)
+
+
+@pytest.mark.parametrize("command", ["train", "nightly"])
+def test_a_held_lock_is_answered_before_prefect_or_ray_starts(tmp_path, monkeypatch, capsys, command):
+    from components.locking import exclusive, pipeline_lock, training_lock
+    from flows.cli import main
+
+    _no_services(monkeypatch)
+    out = tmp_path / "grpo"
+    args = [command, "--config", "configs/arith_grpo.yaml", *paths_under(tmp_path, out)]
+    locks = [training_lock(out)] + ([pipeline_lock(out)] if command == "nightly" else [])
+    for lock in locks:
+        with exclusive(lock, "the other run"):
+            assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "is already running (pid" in err, err
+
+
+def test_a_foreign_output_directory_is_answered_before_prefect_or_ray_starts(tmp_path, monkeypatch, capsys):
+    from flows.cli import main
+
+    _no_services(monkeypatch)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("not reinforge's")
+    assert main(["train", "--config", "configs/arith_grpo.yaml", *paths_under(tmp_path, out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        f"error: trainer.output_dir={out}: the directory holds files reinforge did not write"
+    )

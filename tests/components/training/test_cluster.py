@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 # a fresh process (the tests' session Ray is started without warm workers): ensure_ray(warm_workers=True),
 # then an actor, which must land in one of the prestarted processes with the workers' modules imported
 PROBE = textwrap.dedent(
@@ -60,3 +62,43 @@ def test_a_reinforge_process_actors_start_in_warm_workers():
     assert out["pid"] in out["warm"] and out["preloaded"], out
     assert out["frozen"] > 100_000, out  # torch's and transformers' objects, out of every later scan
     assert out["left"] == [] and not out["initialized"], out  # the monitor too, killed rather than waited for
+
+
+RAY_TIMEOUT = (
+    "The current node timed out during startup. This could happen because some of the raylet failed to "
+    "startup or the GCS has become overloaded."
+)
+
+
+def test_a_local_ray_start_that_times_out_is_tried_once_more(monkeypatch):
+    """Ray's raylet waits a fixed 30 s to register (a loaded machine passes it): the start is tried again, and
+    Ray's GCS wait is given the setting."""
+    from components.training import cluster
+
+    calls = []
+
+    def slow_then_up(warm_workers):
+        calls.append(warm_workers)
+        if len(calls) == 1:
+            raise Exception(RAY_TIMEOUT)  # what Ray raises
+
+    monkeypatch.setattr(cluster, "local_init", slow_then_up)
+    monkeypatch.delenv(cluster.GCS_WAIT_ENV, raising=False)
+    cluster.start_local(True, 300)
+    assert calls == [True, True] and cluster.os.environ[cluster.GCS_WAIT_ENV] == "300"
+
+
+def test_a_local_ray_start_that_never_comes_up_is_one_line_naming_the_setting(monkeypatch):
+    from components.errors import ServiceError
+    from components.training import cluster
+
+    def never(warm_workers):
+        raise Exception(RAY_TIMEOUT + "\nmore of Ray's lines")
+
+    monkeypatch.setattr(cluster, "local_init", never)
+    with pytest.raises(ServiceError) as err:
+        cluster.start_local(False, 90)
+    message = str(err.value)
+    assert "\n" not in message and "did not start in 2 tries" in message
+    assert "The current node timed out during startup" in message
+    assert "trainer.ray_start_timeout_s (now 90)" in message and "trainer.backend=local" in message
