@@ -89,8 +89,8 @@ def local_init(warm_workers: bool) -> None:
 
 def start_local(warm_workers: bool, timeout_s: float) -> None:
     """A local instance, started in at most START_TRIES tries (the processes of a failed one stopped first): a
-    machine at load 20-47 on 2 cores has been seen to take longer than Ray's fixed waits. ServiceError in one line naming
-    what timed out and what to set when it still does not start."""
+    machine at load 20-47 on 2 cores has been seen to take longer than Ray's fixed waits. ServiceError in one
+    line naming what timed out and what to set when it still does not start."""
     os.environ.setdefault(GCS_WAIT_ENV, str(max(1, round(timeout_s))))
     began = time.monotonic()
     for attempt in range(1, START_TRIES + 1):

@@ -38,9 +38,11 @@ def test_the_probe_answers_whether_a_lock_is_held_and_creates_nothing(tmp_path):
     lock = tmp_path / "deep" / ".grpo.lock"
     check_free(lock, "a training run")  # no file: free, and none made
     assert not lock.parent.exists()
-    with exclusive(lock, "a training run"):
-        with pytest.raises(AlreadyRunning, match=r"a training run is already running \(pid \d+"):
-            check_free(lock, "a training run")
+    with (
+        exclusive(lock, "a training run"),
+        pytest.raises(AlreadyRunning, match=r"a training run is already running \(pid \d+"),
+    ):
+        check_free(lock, "a training run")
     check_free(lock, "a training run")  # released: free again
     with exclusive(lock, "a training run"):  # and the probe left it takeable
         pass
