@@ -5,6 +5,7 @@ the fix: Ray (RAY_ADDRESS), MLflow (MLFLOW_TRACKING_URI), Prefect (PREFECT_API_U
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import urllib.error
@@ -184,12 +185,38 @@ def mlflow_problem(uri: str, timeout_s: float) -> str | None:
     return None
 
 
+def _http_json(url: str, timeout_s: float) -> tuple[object, str | None]:
+    """(the JSON `url` answers with a 200, None), or (None, why not): no answer, another status, not JSON."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            body = response.read(4096)
+    except urllib.error.HTTPError as exc:
+        return None, f"it answered HTTP {exc.code}"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return None, getattr(reason, "strerror", None) or str(reason)
+    try:
+        return json.loads(body), None
+    except ValueError:
+        return None, f"it answered {body[:40]!r}, not JSON"
+
+
 def prefect_problem(url: str, timeout_s: float) -> str | None:
-    why = _http(url.rstrip("/") + "/health", timeout_s)
+    """None when Prefect's API answers at `url`: its /health says `true` and its /ready a JSON message (both
+    open without the API's auth). Any other HTTP server there would fail the run minutes later."""
+    base = url.rstrip("/")
+    health, why = _http_json(base + "/health", timeout_s)
+    if why is None and health is not True:
+        why = f"its /health answered {str(health)[:40]!r}, not Prefect's true"
+    if why is None:
+        ready, why = _http_json(base + "/ready", timeout_s)
+        if why is None and not (isinstance(ready, dict) and "message" in ready):
+            why = f"its /ready answered {str(ready)[:40]!r}, not Prefect's message"
     if why:
         return (
-            f"PREFECT_API_URL={url}: no Prefect server answers there ({why}, within {timeout_s:g} s). Start it "
-            "(`prefect server start`), fix the URL, or unset PREFECT_API_URL to use Prefect's in-process server."
+            f"PREFECT_API_URL={url}: no Prefect API answers there ({why}, within {timeout_s:g} s). Start it "
+            "(`prefect server start`), fix the URL (it ends in /api), or unset PREFECT_API_URL to use "
+            "Prefect's in-process server."
         )
     return None
 

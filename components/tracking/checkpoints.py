@@ -9,6 +9,7 @@ after its manifest verifies. Nothing is loaded with pickle: tensors through safe
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -24,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from components.data.io import write_atomic
-from components.errors import CheckpointError
+from components.errors import CheckpointError, OutputError
 
 MANIFEST = "manifest.json"
 
@@ -109,8 +110,11 @@ def save_checkpoint(
         (tmp / MANIFEST).write_text(json.dumps(manifest, sort_keys=True, indent=2))
         _fsync_tree(tmp)
         replace_dir(tmp, final)
-    except BaseException:
+    except BaseException as exc:
+        written = _tree_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if _no_space(exc):
+            raise _full_disk(root, final, written) from None
         raise
     verify(final)
     write_atomic(root / "latest", lambda t: Path(t).write_text(name + "\n"))
@@ -119,6 +123,33 @@ def save_checkpoint(
         for old in older[: max(len(older) - (keep - 1), 0)]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _no_space(exc: BaseException) -> bool:
+    """A full disk or quota, raised here or in a worker (Ray's error then carries the OSError as its cause)."""
+    for e in (exc, getattr(exc, "cause", None)):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+    return False
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
+
+
+def _full_disk(root: Path, ckpt: Path, written: int) -> OutputError:
+    """One line: where, how much room there is, how much a checkpoint of this run takes, what was kept."""
+    mib = 2**20
+    previous = pointer_target(root)
+    needed = max(written, _tree_bytes(previous) if previous else 0)
+    free = shutil.disk_usage(root).free
+    kept = f"`latest` still names {previous.name}" if previous else "no earlier checkpoint exists"
+    return OutputError(
+        f"no space left on the device of {root} writing checkpoint {ckpt.name} ({free / mib:.0f} MiB free; "
+        f"a checkpoint of this run takes about {needed / mib:.0f} MiB): the partial checkpoint was removed and "
+        f"{kept}. Free space there or move trainer.output_dir to a disk with room, then run the same command "
+        "to resume."
+    )
 
 
 def replace_dir(new: Path, target: Path) -> None:

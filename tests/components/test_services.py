@@ -118,3 +118,50 @@ def test_a_port_that_is_not_a_ray_gcs_says_so_within_the_timeout():
     assert time.monotonic() - started < 8.0
     assert "the port is open but no Ray GCS answers there" in why and "RAY_ADDRESS=127.0.0.1:" in why
     server.close()
+
+
+class _Answer:
+    """A local HTTP server that answers every GET with one status and body (not Prefect)."""
+
+    def __init__(self, status: int, body: bytes):
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(status)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/api"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "why"),
+    [
+        (200, b"OK", "it answered b'OK', not JSON"),
+        (404, b"not found", "it answered HTTP 404"),
+        (200, b'{"status": "healthy"}', "its /health answered"),
+        (200, b"true", "its /ready answered 'True', not Prefect's message"),  # true to every path
+        (401, b"{}", "it answered HTTP 401"),
+    ],
+)
+def test_a_prefect_api_url_that_answers_but_is_not_prefect_is_one_line(status, body, why):
+    from components.services import prefect_problem
+
+    other = _Answer(status, body)
+    try:
+        problem = prefect_problem(other.url, 3.0)
+    finally:
+        other.close()
+    assert problem is not None and "\n" not in problem
+    assert problem.startswith(f"PREFECT_API_URL={other.url}: no Prefect API answers there ({why}")

@@ -16,6 +16,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
+from components.errors import OutputError
 from components.models.loading import load_model
 from components.tracking import checkpoints
 from tests.conftest import descendants
@@ -144,6 +145,12 @@ def test_disk_full_during_a_save_fails_the_run_and_keeps_the_previous_checkpoint
     out = [f"trainer.output_dir={root}/full", LOCAL]
     state = train_flow("configs/arith_grpo.yaml", ov + out, return_state=True)
     assert state.is_failed(), state
+    with pytest.raises(OutputError) as err:  # one line naming the directory and the room it needed
+        state.result()
+    message = str(err.value)
+    assert "\n" not in message and "no space left on the device of" in message and "full" in message
+    assert "writing checkpoint iter_000002" in message and "`latest` still names iter_000001" in message
+    assert "a checkpoint of this run takes about" in message
     ckroot = run_dir(root / "full") / "checkpoints"
     assert (ckroot / "latest").read_text().strip() == "iter_000001"
     checkpoints.verify(ckroot / "iter_000001")

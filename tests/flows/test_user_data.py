@@ -364,7 +364,7 @@ def _closed_port() -> int:
     [
         ("RAY_ADDRESS", "127.0.0.1:{port}", "no Ray cluster answers there"),
         ("MLFLOW_TRACKING_URI", "http://127.0.0.1:{port}", "no MLflow server answers there"),
-        ("PREFECT_API_URL", "http://127.0.0.1:{port}/api", "no Prefect server answers there"),
+        ("PREFECT_API_URL", "http://127.0.0.1:{port}/api", "no Prefect API answers there"),
     ],
 )
 def test_an_unreachable_service_is_one_line_within_the_timeout(capsys, monkeypatch, variable, value, message):
@@ -379,6 +379,12 @@ def test_an_unreachable_service_is_one_line_within_the_timeout(capsys, monkeypat
     err = capsys.readouterr().err
     assert time.monotonic() - start < 3 + 2
     assert err.startswith(f"error: {variable}={address}: {message}") and err.count("\n") == 1, err
+
+
+def test_a_real_prefect_api_passes_the_check_that_tells_it_from_other_http_servers(prefect_api):
+    from components.services import prefect_problem
+
+    assert prefect_problem(prefect_api, 10.0) is None
 
 
 def test_a_ray_cluster_is_not_asked_for_when_the_workers_run_in_this_process(monkeypatch):
