@@ -15,6 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from components.errors import ConfigError
+from flows.notifications import Notify
+from flows.notifications import configure as configure_notifications
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # pipelines.yaml `flow:` -> entrypoint
@@ -59,6 +61,11 @@ class Pipeline(BaseModel):
         description="at most this many runs at once; the others wait for a slot (Prefect's own limit)",
     )
     parameters: dict[str, Any] = Field(default_factory=dict, description="extra flow parameters")
+    notify: Notify | None = Field(
+        None,
+        description="a webhook told when a run fails or the nightly does not promote its model (Prefect "
+        "automations, set up by `reinforge deploy`: flows/notifications.py)",
+    )
 
 
 class PipelinesFile(BaseModel):
@@ -208,6 +215,9 @@ def deploy(
     """serve: register and run them in this process; apply: register only; work_pool: deploy to that pool,
     its workers taking the code from `source` (a git URL) or from this checkout."""
     names = [f"{flow_of(p).name}/{p.name}" for p in pipelines]
+    for p in pipelines:  # the server's automations: they hold however the deployment is run
+        if p.notify is not None:
+            configure_notifications(p.name, p.notify)
     if work_pool:
         for p in pipelines:
             src = flow_of(p).from_source(source=source_of(source, branch), entrypoint=entrypoint(p))

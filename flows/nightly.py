@@ -19,13 +19,14 @@ from prefect.artifacts import create_markdown_artifact
 from components.config import Config
 from components.lineage import file_md5
 from components.locking import exclusive, pipeline_lock
-from components.tracking.registry import download_version, register_candidate
+from components.tracking.registry import CHAMPION, download_version, register_candidate
 from components.validate import load_checked
 from flows import parsers
 from flows._args import check_config, run_cli
 from flows._logs import one_line_errors
 from flows.data import data_flow
 from flows.evaluate import evaluate_flow
+from flows.notifications import announce_not_promoted
 from flows.sft import sft_flow
 from flows.train import train_flow
 from tasks.common import STAGE, logger
@@ -50,6 +51,8 @@ def register(cfg: Config, name: str, info: dict, acc: float) -> dict:
     logger().info(
         "registry: %s v%s -> %s (%s)", name, decision["version"], decision["alias"], decision["reason"]
     )
+    if decision["alias"] != CHAMPION:  # a pipeline's `not_promoted` automation tells a person
+        announce_not_promoted(decision)
     create_markdown_artifact(  # the flow run's Artifacts tab: what was decided, and why
         f"## {name} v{decision['version']}: {decision['alias']}\n\n"
         + markdown_table(["", ""], [[k, v] for k, v in decision.items()] + [["held-out acc", acc]]),
