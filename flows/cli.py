@@ -59,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv[1:])
     if argv[0] not in RUN_FLOWS:
         return importlib.import_module(module).main(extra + argv[1:])
+    from components.shutdown import install_signal_handlers
+
+    # Ctrl-C or SIGTERM from here on is one line and exit 130/143, not a KeyboardInterrupt traceback from
+    # whichever import (pydantic's, torch's) it lands in during the seconds before the flow runs
+    install_signal_handlers()
     from components.gc_pause import collector_paused, freeze_for_exit
 
     if argv[0] in RUN_RAY:  # another run in its output directory, or not ours to write: say so before

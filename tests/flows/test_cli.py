@@ -124,3 +124,32 @@ def test_a_foreign_output_directory_is_answered_before_prefect_or_ray_starts(tmp
     assert err.startswith(
         f"error: trainer.output_dir={out}: the directory holds files reinforge did not write"
     )
+
+
+@pytest.mark.parametrize("command", ["evaluate", "train"])
+def test_ctrl_c_in_the_first_seconds_is_one_line_and_leaves_nothing(tmp_path, command):
+    """Ctrl-C while the command still imports and starts its services (before its flow runs) stops it like
+    Ctrl-C mid-run: one line, exit 130, no traceback, nothing of its process group left."""
+    import os
+    import signal
+    import time
+
+    for delay in (0.3, 1.0, 2.0):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", command, "--config", "configs/arith_grpo.yaml"]
+            + paths_under(tmp_path, tmp_path / "grpo"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # a process group, as a terminal's job is: Ctrl-C goes to all of it
+        )
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and "Traceback" not in output, (delay, output[-2000:])
+        assert output.strip().splitlines() == [
+            "error: interrupted (SIGINT); every process it started is stopped. Run the same command again."
+        ]
+        time.sleep(0.5)
+        with pytest.raises(ProcessLookupError):
+            os.killpg(proc.pid, 0)  # no process of the group is left
