@@ -217,7 +217,7 @@ def deploy(
     names = [f"{flow_of(p).name}/{p.name}" for p in pipelines]
     for p in pipelines:  # the server's automations: they hold however the deployment is run
         if p.notify is not None:
-            configure_notifications(p.name, p.notify)
+            configure_notifications(p.name, flow_of(p).name, p.notify)
     if work_pool:
         for p in pipelines:
             src = flow_of(p).from_source(source=source_of(source, branch), entrypoint=entrypoint(p))

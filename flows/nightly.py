@@ -26,7 +26,7 @@ from flows._args import check_config, run_cli
 from flows._logs import one_line_errors
 from flows.data import data_flow
 from flows.evaluate import evaluate_flow
-from flows.notifications import announce_not_promoted
+from flows.notifications import announce_not_promoted, crash_abandoned, tag_of
 from flows.sft import sft_flow
 from flows.train import train_flow
 from tasks.common import STAGE, logger
@@ -62,7 +62,10 @@ def register(cfg: Config, name: str, info: dict, acc: float) -> dict:
     return decision
 
 
-@flow(name="rl-nightly")
+NIGHTLY = "rl-nightly"
+
+
+@flow(name=NIGHTLY)
 @one_line_errors
 def nightly_flow(
     config: str = "configs/arith_grpo.yaml",
@@ -85,6 +88,10 @@ def nightly_flow(
     overrides = ["trainer.log_system_metrics=true", *(overrides or []), "trainer.when_finished=retrain"]
     cfg = load_checked(config, overrides)
     with exclusive(pipeline_lock(cfg.trainer.output_dir), f"pipeline {pipeline}"):
+        for name in crash_abandoned(pipeline, NIGHTLY):
+            logger().warning(
+                "flow run %s of pipeline %s was left Running by a dead process: Crashed", name, pipeline
+            )
         data_flow(config, overrides)
         if not (Path(cfg.sft.output_dir) / "config.json").is_file():
             sft_flow(config, overrides)
@@ -95,10 +102,13 @@ def nightly_flow(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from prefect import tags
+
     a = parsers.nightly().parse_args(argv)
-    return check_config(a.config, a.overrides, a.debug) or run_cli(
-        nightly_flow, a.config, a.overrides, a.model_name, debug=a.debug, as_json=a.json
-    )
+    if check_config(a.config, a.overrides, a.debug):
+        return 2
+    with tags(tag_of("nightly")):  # as its deployment's runs are: the pipeline's notifications hold for it
+        return run_cli(nightly_flow, a.config, a.overrides, a.model_name, debug=a.debug, as_json=a.json)
 
 
 if __name__ == "__main__":

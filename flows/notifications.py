@@ -95,16 +95,18 @@ def not_promoted_body(pipeline: str) -> str:
     )
 
 
-def automations_of(pipeline: str, notify: Notify, block_id) -> list:
-    """The automations `notify` asks for, each sending through the notification block `block_id`."""
+def automations_of(pipeline: str, flow_name: str, notify: Notify, block_id) -> list:
+    """The automations `notify` asks for, each sending through the notification block `block_id`. A failure
+    is the pipeline's own flow run's (`flow_name`): its subflows carry its tag, and one failure is one
+    message."""
     from datetime import timedelta
 
     from prefect.automations import Automation, EventTrigger, Posture, SendNotification
 
-    def one(name: str, expect: set[str], subject: str, body: str) -> Automation:
+    def one(name: str, expect: set[str], subject: str, body: str, *more: dict) -> Automation:
         trigger = EventTrigger(
             expect=expect,
-            match_related={"prefect.resource.id": f"prefect.tag.{tag_of(pipeline)}"},
+            match_related=[{"prefect.resource.id": f"prefect.tag.{tag_of(pipeline)}"}, *more],
             posture=Posture.Reactive,
             threshold=1,
             within=timedelta(0),
@@ -116,14 +118,15 @@ def automations_of(pipeline: str, notify: Notify, block_id) -> list:
     if "failed" in notify.on:
         states = {f"prefect.flow-run.{s}" for s in FAILED_STATES}
         subject = f"reinforge: pipeline {pipeline} failed"
-        made.append(one("run failed", states, subject, failed_body(pipeline)))
+        of_flow = {"prefect.resource.role": "flow", "prefect.resource.name": flow_name}
+        made.append(one("run failed", states, subject, failed_body(pipeline), of_flow))
     if "not_promoted" in notify.on:
         subject = f"reinforge: pipeline {pipeline} did not promote its model"
         made.append(one("model not promoted", {NOT_PROMOTED}, subject, not_promoted_body(pipeline)))
     return made
 
 
-def configure(pipeline: str, notify: Notify) -> list[str]:
+def configure(pipeline: str, flow_name: str, notify: Notify) -> list[str]:
     """Save the pipeline's webhook block and (re)create its automations on the Prefect server (an earlier
     deploy's of the same names are replaced). Returns the automations' names."""
     from prefect.automations import Automation
@@ -136,7 +139,7 @@ def configure(pipeline: str, notify: Notify) -> list[str]:
     )
     block_id = block.save(f"reinforge-{pipeline}", overwrite=True)
     names = []
-    for automation in automations_of(pipeline, notify, block_id):
+    for automation in automations_of(pipeline, flow_name, notify, block_id):
         while True:  # an earlier deploy's, however many
             try:
                 Automation.read(name=automation.name).delete()
@@ -165,3 +168,40 @@ def announce_not_promoted(decision: dict) -> None:
             "reason": decision["reason"],
         },
     )
+
+
+def crash_abandoned(pipeline: str, flow_name: str) -> list[str]:
+    """The pipeline's flow runs the server still holds Running, other than this one, marked Crashed with why.
+    Called while this run holds the pipeline's lock, so no process runs them: they were killed, or their Prefect
+    server died under them and never heard how they ended. Crashed is a state change the `failed` automation
+    reports, a night late but not never. Returns their names."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        FlowRunFilterTags,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.runtime import flow_run
+    from prefect.states import Crashed
+
+    mine = str(flow_run.id)
+    running = FlowRunFilter(
+        tags=FlowRunFilterTags(all_=[tag_of(pipeline)]),
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])),
+    )
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name])), flow_run_filter=running
+        )
+        abandoned = [r for r in runs if str(r.id) != mine]
+        for run in abandoned:
+            why = (
+                "the process running it ended without reporting how (killed, or its Prefect server died); "
+                f"found by flow run {flow_run.name}, which holds the pipeline's lock now"
+            )
+            client.set_flow_run_state(run.id, Crashed(message=why), force=True)
+    return [r.name for r in abandoned]

@@ -62,7 +62,7 @@ def test_a_failed_nightly_run_is_one_message_naming_the_pipeline_run_cause_and_l
 
     from flows.nightly import nightly_flow
 
-    configure("nightly-failing", Notify(webhook=receiver.url, on=["failed"]))
+    configure("nightly-failing", "rl-nightly", Notify(webhook=receiver.url, on=["failed"]))
     with tags("pipeline:nightly-failing"):
         state = nightly_flow("configs/arith_grpo.yaml", ["algorithm.name=no-such-preset"], return_state=True)
     assert state.is_failed()
@@ -80,7 +80,7 @@ def test_a_failed_nightly_run_is_one_message_naming_the_pipeline_run_cause_and_l
 def test_a_model_not_promoted_is_one_message_with_its_reason(receiver, prefect_harness):
     from prefect import flow, tags
 
-    configure("nightly-kept", Notify(webhook=receiver.url, on=["not_promoted"]))
+    configure("nightly-kept", "rl-nightly", Notify(webhook=receiver.url, on=["not_promoted"]))
     decision = {
         "name": "reinforge-arith",
         "version": "7",
@@ -106,7 +106,7 @@ def test_notifications_of_another_pipeline_are_not_sent(receiver, prefect_harnes
 
     from flows.nightly import nightly_flow
 
-    configure("nightly-quiet", Notify(webhook=receiver.url))
+    configure("nightly-quiet", "rl-nightly", Notify(webhook=receiver.url))
     with tags("pipeline:some-other"):
         nightly_flow("configs/arith_grpo.yaml", ["algorithm.name=no-such-preset"], return_state=True)
     time.sleep(8)
@@ -129,3 +129,31 @@ def test_a_webhook_is_a_url_or_a_variable_that_is_set(monkeypatch, tmp_path):
         notify.url("n")
     monkeypatch.setenv("REINFORGE_TEST_HOOK", "https://hooks.example/x")
     assert notify.url("n") == "https://hooks.example/x"
+
+
+def test_a_run_left_running_by_a_dead_process_is_crashed_by_the_next_nightly_and_reported(
+    receiver, prefect_harness
+):
+    """A nightly whose process was killed (or whose server died under it) stays Running on the server and
+    tells nobody. The next nightly, holding the pipeline's lock, marks it Crashed with why; the pipeline's
+    notification reports it. Its own run is left alone."""
+    from prefect import flow, get_client, tags
+    from prefect.states import Running
+
+    from flows.notifications import crash_abandoned
+
+    configure("nightly-abandoned", "rl-nightly", Notify(webhook=receiver.url, on=["failed"]))
+
+    @flow(name="rl-nightly")
+    def next_night():
+        return crash_abandoned("nightly-abandoned", "rl-nightly")
+
+    with get_client(sync_client=True) as client:
+        dead = client.create_flow_run(next_night, tags=["pipeline:nightly-abandoned"], state=Running())
+        with tags("pipeline:nightly-abandoned"):
+            crashed = next_night()
+        assert crashed == [dead.name]
+        state = client.read_flow_run(dead.id).state
+    assert state.type.value == "CRASHED" and "ended without reporting how" in state.message
+    (message,) = receiver.wait(1)
+    assert f"flow run {dead.name} (rl-nightly) ended Crashed: the process running it ended" in message["body"]
