@@ -13,7 +13,7 @@ import functools
 import logging
 import re
 
-from components.errors import ReinforgeError
+from components.errors import OutputError, ReinforgeError, no_space
 
 OWN = "reinforge_user_error"  # set on the one record a flow logs of a user's error
 # the loggers whose handlers write a run's records: the terminal (root), the Prefect API (flow and task runs)
@@ -81,5 +81,24 @@ def one_line_errors(fn):
         except ReinforgeError as exc:
             logger().error("error: %s", exc, extra={OWN: True})
             raise
+        except Exception as exc:
+            full = no_space(exc)
+            if full is None:
+                raise
+            error = full_disk(full)
+            logger().error("error: %s", error, extra={OWN: True})
+            raise error from None
 
     return flow_fn
+
+
+def full_disk(exc: BaseException) -> OutputError:
+    """A full disk met anywhere in a flow (a checkpoint names its own directory and sizes) as one line."""
+    where = getattr(exc, "filename", None)
+    on = f" writing {where}" if where else ""
+    said = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+    return OutputError(
+        f"no space left on a disk this run writes to{on} ({said}). Free space there, or move the outputs "
+        "(trainer.output_dir, sft.output_dir, data.*) to a disk with room; finished checkpoints are kept, so "
+        "the same command then resumes."
+    )

@@ -88,7 +88,7 @@ def nightly_flow(
     overrides = ["trainer.log_system_metrics=true", *(overrides or []), "trainer.when_finished=retrain"]
     cfg = load_checked(config, overrides)
     with exclusive(pipeline_lock(cfg.trainer.output_dir), f"pipeline {pipeline}"):
-        for name in crash_abandoned(pipeline, NIGHTLY):
+        for name in crash_abandoned(pipeline):
             logger().warning(
                 "flow run %s of pipeline %s was left Running by a dead process: Crashed", name, pipeline
             )

@@ -170,15 +170,14 @@ def announce_not_promoted(decision: dict) -> None:
     )
 
 
-def crash_abandoned(pipeline: str, flow_name: str) -> list[str]:
-    """The pipeline's flow runs the server still holds Running, other than this one, marked Crashed with why.
+def crash_abandoned(pipeline: str) -> list[str]:
+    """The pipeline's flow runs the server still holds Running (this one's excepted), marked Crashed with why.
     Called while this run holds the pipeline's lock, so no process runs them: they were killed, or their Prefect
     server died under them and never heard how they ended. Crashed is a state change the `failed` automation
-    reports, a night late but not never. Returns their names."""
+    reports (for the pipeline's own flow; its subflows are tidied without a message of their own), a night late
+    but not never. Returns their names."""
     from prefect import get_client
     from prefect.client.schemas.filters import (
-        FlowFilter,
-        FlowFilterName,
         FlowRunFilter,
         FlowRunFilterState,
         FlowRunFilterStateType,
@@ -194,10 +193,7 @@ def crash_abandoned(pipeline: str, flow_name: str) -> list[str]:
         state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])),
     )
     with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(
-            flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name])), flow_run_filter=running
-        )
-        abandoned = [r for r in runs if str(r.id) != mine]
+        abandoned = [r for r in client.read_flow_runs(flow_run_filter=running) if str(r.id) != mine]
         for run in abandoned:
             why = (
                 "the process running it ended without reporting how (killed, or its Prefect server died); "

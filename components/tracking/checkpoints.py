@@ -9,7 +9,6 @@ after its manifest verifies. Nothing is loaded with pickle: tensors through safe
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -25,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from components.data.io import write_atomic
-from components.errors import CheckpointError, OutputError
+from components.errors import CheckpointError, OutputError, no_space
 
 MANIFEST = "manifest.json"
 
@@ -113,7 +112,7 @@ def save_checkpoint(
     except BaseException as exc:
         written = _tree_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        if _no_space(exc):
+        if no_space(exc):
             raise _full_disk(root, final, written) from None
         raise
     verify(final)
@@ -123,14 +122,6 @@ def save_checkpoint(
         for old in older[: max(len(older) - (keep - 1), 0)]:
             shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def _no_space(exc: BaseException) -> bool:
-    """A full disk or quota, raised here or in a worker (Ray's error then carries the OSError as its cause)."""
-    for e in (exc, getattr(exc, "cause", None)):
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-    return False
 
 
 def _tree_bytes(root: Path) -> int:

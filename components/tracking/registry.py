@@ -110,18 +110,21 @@ def find_champion(
         return None, f"{why}; no version has a finite recorded {ACC}"
     pool = [r for r in usable if r.eval_set == eval_set] or usable
     best = max(pool, key=lambda r: (r.acc, -int(r.version)))
-    return best, f"{why}; recovered as version {best.version}, the best finite recorded {ACC}"
+    return best, f"{why}; {RECOVERED} {best.version}, the best finite recorded {ACC}"
+
+
+RECOVERED = "recovered as version"  # in find_champion's account of a champion it did not find by the alias
 
 
 def decide(acc: float, champ: Recorded | None, champ_acc: float | None, found: str) -> dict:
     """The candidate's alias and why: `champion` only for a finite `acc` that beats the champion's `champ_acc`
     (measured on the candidate's evaluation set; a non-finite one is beaten by any finite figure), or with no
-    champion at all; else `challenger`."""
+    champion at all; else `challenger`. A champion recovered from the records (`found`) that keeps its title
+    takes the alias back (`restore_champion`), so `models:/<name>@champion` serves it again."""
+    kept = {"restore_champion": champ.version} if champ is not None and RECOVERED in found else {}
     if not math.isfinite(acc):
-        return {
-            "alias": CHALLENGER,
-            "reason": f"its held-out acc is {acc}: a non-finite metric never promotes",
-        }
+        reason = f"its held-out acc is {acc}: a non-finite metric never promotes"
+        return {"alias": CHALLENGER, "reason": reason, "champion_found": found, **kept}
     if champ is None:
         return {"alias": CHAMPION, "reason": f"the first version with a finite metric ({found})"}
     better = champ_acc is None or not math.isfinite(champ_acc) or acc > champ_acc
@@ -132,6 +135,7 @@ def decide(acc: float, champ: Recorded | None, champ_acc: float | None, found: s
         "champion_found": found,
         "reason": f"acc {acc:.4f} {'beats' if better else 'does not beat'} the champion's "
         f"{champ_acc:.4f} on the same evaluation set",
+        **({} if better else kept),
     }
 
 
@@ -170,6 +174,8 @@ def register_candidate(
     ).version
     version = str(version)
     client.set_registered_model_alias(name, decision["alias"], version)
+    if "restore_champion" in decision:
+        client.set_registered_model_alias(name, CHAMPION, decision["restore_champion"])
     for key, value in decision.items():
         client.set_model_version_tag(name, version, f"decision.{key}", str(value))
     return {

@@ -146,7 +146,7 @@ def test_a_run_left_running_by_a_dead_process_is_crashed_by_the_next_nightly_and
 
     @flow(name="rl-nightly")
     def next_night():
-        return crash_abandoned("nightly-abandoned", "rl-nightly")
+        return crash_abandoned("nightly-abandoned")
 
     with get_client(sync_client=True) as client:
         dead = client.create_flow_run(next_night, tags=["pipeline:nightly-abandoned"], state=Running())

@@ -225,6 +225,18 @@ def test_a_nan_candidate_and_a_deleted_champion_never_promote_the_wrong_model(tm
     worse = register_candidate("m", ids[3][1], ids[3][0], 0.5, "set-a", measure)  # v4
     assert worse["alias"] == CHALLENGER and worse["champion_version"] == "1"
     assert "recovered as version 1" in store.get_model_version("m", "4").tags["decision.champion_found"]
+    assert str(store.get_model_version_by_alias("m", CHAMPION).version) == "1"  # the alias serves v1 again
     better = register_candidate("m", ids[4][1], ids[4][0], 0.85, "set-a", measure)  # v5
     assert better["alias"] == CHAMPION and better["champion_acc"] == 0.8
     assert str(store.get_model_version_by_alias("m", CHAMPION).version) == "5"
+
+
+def test_a_recovered_champion_that_keeps_its_title_takes_the_alias_back():
+    recovered = (
+        "no version holds the champion alias; recovered as version 2, the best finite recorded eval_acc"
+    )
+    kept = decide(0.4, rec(2, 0.5), 0.5, recovered)
+    assert kept["alias"] == CHALLENGER and kept["restore_champion"] == "2"
+    assert "restore_champion" not in decide(0.6, rec(2, 0.5), 0.5, recovered)  # beaten: the candidate has it
+    assert "restore_champion" not in decide(0.4, rec(2, 0.5), 0.5, "the champion alias")  # never lost it
+    assert decide(NAN, rec(2, 0.5), 0.5, recovered)["restore_champion"] == "2"
