@@ -116,14 +116,55 @@ def check_model_code(
     return config
 
 
+MAX_MODEL_DIR_ENTRIES = 100_000  # a model directory's files and folders walked for links, at most
+
+
+def link_root(p: Path) -> Path:
+    """Where links in model directory `p` may lead: the directory itself, or for a snapshot of the Hugging Face
+    cache (`models--org--name/snapshots/<revision>/`, whose files link to `../../blobs/`) the cached repository."""
+    root = p.resolve()
+    cached = root.parent.parent
+    if root.parent.name == "snapshots" and cached.name.startswith("models--") and (cached / "blobs").is_dir():
+        return cached
+    return root
+
+
+def check_links(p: Path, path: str | Path, key: str) -> None:
+    """No symbolic link inside model directory `p` leads out of it (link_root): a tokenizer file linked to a
+    system file would be read, weights linked elsewhere loaded. ConfigError naming the link, its target and
+    `key` otherwise; directory links are not followed into."""
+    root = link_root(p)
+    seen = 0
+    for folder, dirs, files in os.walk(p):
+        seen += len(dirs) + len(files)
+        if seen > MAX_MODEL_DIR_ENTRIES:
+            raise ConfigError(
+                f"{key}={path}: more than {MAX_MODEL_DIR_ENTRIES} files and folders; a model directory holds "
+                "a config, a tokenizer and weights. Point it at the model's own directory."
+            )
+        for name in dirs + files:
+            entry = Path(folder) / name
+            if not entry.is_symlink():
+                continue
+            target = entry.resolve()
+            if target != root and root not in target.parents:
+                raise ConfigError(
+                    f"{key}={path}: {entry.relative_to(p)} is a symbolic link to {target}, outside the model "
+                    "directory, and a model directory's files are read from inside it only. Copy the file in "
+                    "(cp --dereference), or point it at a directory without such links."
+                )
+
+
 def check_model_dir(
     path: str | Path, key: str, weights: bool = True, trust_remote_code: bool = False
 ) -> Path:
     """`path` as a Hugging Face model directory: config.json of an architecture transformers knows (a
     directory that asks to run its own code only with `trust_remote_code`), and (with `weights`) safetensors
     weights whose headers are sound and agree with the config. ConfigError naming `key` and the fix
-    otherwise; nothing is loaded or allocated."""
+    otherwise; nothing is loaded or allocated. No link inside it may lead out of it (check_links)."""
     p = Path(path)
+    if p.is_dir():
+        check_links(p, path, key)
     if is_adapter_dir(p):  # a LoRA adapter directory (peft): its weights, and the base model it names
         if not (p / ADAPTER_WEIGHTS).is_file():
             raise ConfigError(

@@ -203,3 +203,98 @@ def test_a_config_that_disagrees_with_its_weights_is_refused_before_allocating(
     with pytest.raises(ConfigError, match=said):
         load_model(d)
     assert time.perf_counter() - start < 5  # refused from the headers, nothing allocated
+
+
+def _linked(tiny_model_dir: Path, tmp_path: Path, kind: str) -> tuple[Path, str]:
+    """A copy of the tiny model with one link leading out of it; (the directory, the link's name)."""
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, d)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    if kind == "tokenizer to a foreign file":
+        secret = outside / "secret.json"
+        shutil.copy(d / "tokenizer.json", secret)  # a readable file: only the link's target betrays it
+        (d / "tokenizer.json").unlink()
+        (d / "tokenizer.json").symlink_to(secret)
+        return d, "tokenizer.json"
+    if kind == "weights elsewhere":
+        shutil.move(d / "model.safetensors", outside / "w.safetensors")
+        (d / "model.safetensors").symlink_to(outside / "w.safetensors")
+        return d, "model.safetensors"
+    if kind == "relative link up and out":
+        shutil.move(d / "config.json", tmp_path / "config.json")
+        (d / "config.json").symlink_to("../config.json")
+        return d, "config.json"
+    if kind == "a folder link":
+        (d / "extra").symlink_to(outside, target_is_directory=True)
+        return d, "extra"
+    if kind == "a system file":
+        (d / "chat_template.jinja").unlink(missing_ok=True)
+        (d / "chat_template.jinja").symlink_to("/etc/hostname")
+        return d, "chat_template.jinja"
+    raise ValueError(kind)
+
+
+LINKS = (
+    "tokenizer to a foreign file",
+    "weights elsewhere",
+    "relative link up and out",
+    "a folder link",
+    "a system file",
+)
+
+
+@pytest.mark.parametrize("kind", LINKS)
+def test_a_link_leading_out_of_a_model_directory_is_refused_on_every_load_path(
+    tiny_model_dir, tmp_path, kind
+):
+    from components.rewards.reward_model import load_reward_model
+    from components.rollout.worker import RolloutWorker
+    from components.settings import LoraSettings
+    from components.training.critic import build_value_model
+
+    d, link = _linked(tiny_model_dir, tmp_path, kind)
+    for load in (
+        lambda: check_model_dir(d, "actor.model.path"),
+        lambda: load_tokenizer(d),
+        lambda: load_model(d),
+        lambda: RolloutWorker(str(d)),
+        lambda: load_reward_model(str(d)),
+        lambda: build_value_model(str(d), "float32", "sdpa", "critic.model_path", LoraSettings()),
+    ):
+        with pytest.raises(ConfigError) as exc:
+            load()
+        message = str(exc.value)
+        assert f"{link} is a symbolic link to" in message and "outside the model directory" in message
+        assert "\n" not in message
+
+
+def test_the_command_refuses_a_link_out_in_one_line(tiny_model_dir, tmp_path):
+    d, _ = _linked(tiny_model_dir, tmp_path, "a system file")
+    res = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "generate", "--model_path", str(d), "1+1="],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines() == [res.stderr.strip()]
+    assert "chat_template.jinja is a symbolic link to /etc/hostname" in res.stderr
+
+
+def test_links_inside_the_directory_and_the_hugging_face_cache_layout_load(tiny_model_dir, tmp_path):
+    inside = tmp_path / "inside"
+    shutil.copytree(tiny_model_dir, inside)
+    (inside / "weights").mkdir()
+    shutil.move(inside / "model.safetensors", inside / "weights" / "model.safetensors")
+    (inside / "model.safetensors").symlink_to("weights/model.safetensors")
+    assert load_model(inside) is not None
+    # models--org--name/snapshots/<revision>/<file> -> ../../blobs/<hash>, as huggingface_hub lays it out
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for i, f in enumerate(sorted(p for p in tiny_model_dir.iterdir() if p.is_file())):
+        shutil.copy(f, repo / "blobs" / f"blob{i}")
+        (snapshot / f.name).symlink_to(f"../../blobs/blob{i}")
+    assert load_model(snapshot) is not None and load_tokenizer(snapshot) is not None
