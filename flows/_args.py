@@ -49,11 +49,12 @@ def report(exc: ReinforgeError, debug: bool = False) -> int:
 def checked_config(path: str, overrides: list[str], debug: bool = False):
     """Validate the config, the custom reward function and the services it names before any flow (or Prefect
     server) starts: (0, the config) when good, (2, None) with the message printed."""
+    from components.config.loader import check_given
     from components.rewards.custom import check_custom_reward
     from components.validate import load_checked
 
     try:
-        cfg = load_checked(path, overrides)
+        cfg = load_checked(path, check_given(overrides))
         check_custom_reward(cfg)
         check_run_services(cfg)
     except ReinforgeError as exc:
@@ -65,12 +66,12 @@ def free_to_train(path: str, overrides: list[str], pipeline: str | None, debug: 
     """Before Prefect's server or Ray starts (a fraction of a second, no torch): the config parses, the training
     output directory is ours to write, and no other run holds its lock (nor, for a pipeline, the pipeline's).
     0 when free; 2 with the one line printed."""
-    from components.config.loader import load_config
+    from components.config.loader import check_given, load_config
     from components.locking import check_free, pipeline_lock, training_lock
     from components.outputs import TRAIN_OUTPUT, check_output
 
     try:
-        cfg = load_config(path, overrides)
+        cfg = load_config(path, check_given(overrides))
         t = cfg.trainer
         output = check_output(t.output_dir, "trainer.output_dir", TRAIN_OUTPUT, t.run_dir)
         if pipeline is not None:

@@ -23,8 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sys.stdout.write(text)
         return 0
+    from components.config.loader import check_given
+
     try:
-        rows = resolved_config(a.config, a.overrides)
+        rows = resolved_config(a.config, check_given(a.overrides))
     except ReinforgeError as exc:
         return report(exc, a.debug)
     from rich.console import Console

@@ -67,6 +67,27 @@ class Pipeline(BaseModel):
         "automations, set up by `reinforge deploy`: flows/notifications.py)",
     )
 
+    @field_validator("config")
+    @classmethod
+    def config_in_the_project(cls, config: str) -> str:
+        # a deployment's runs read it on the worker's machine, from the project's checkout
+        resolved = (PROJECT_ROOT / config).resolve()
+        if PROJECT_ROOT.resolve() not in resolved.parents:
+            raise ValueError(
+                f"{config!r} resolves to {resolved}, outside the project; give a config file in it"
+            )
+        if not resolved.is_file():
+            raise ValueError(f"{config!r} is not a file in the project")
+        return config
+
+    @model_validator(mode="after")
+    def overrides_are_a_list(self) -> Pipeline:
+        from components.config.loader import check_given
+
+        if "overrides" in self.parameters:  # a string would be spread into one override per character
+            check_given(self.parameters["overrides"] or [], f"in pipeline {self.name}'s parameters")
+        return self
+
 
 class PipelinesFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -90,7 +111,11 @@ def load_pipelines(path: str | Path = PROJECT_ROOT / "pipelines.yaml") -> list[P
         pf = PipelinesFile.model_validate(read_yaml(path, "pipelines file"))
     except ValidationError as exc:
         raise ConfigError(
-            f"{path}: " + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            f"{path}: "
+            + "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+                for e in exc.errors()
+            )
         ) from None
     for p in pf.pipelines:
         if p.flow not in FLOWS:

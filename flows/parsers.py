@@ -10,9 +10,35 @@ from collections.abc import Callable
 DEFAULT_CONFIG = "configs/arith_grpo.yaml"
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line naming the argument, with exit code 2 (argparse's own
+    prints its usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def number(kind: type, low: float, high: float, what: str) -> Callable[[str], float]:
+    """An argparse type: a finite `kind` (int or float) in [low, high]; its error says the range and why."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a{'n integer' if kind is int else ' number'}"
+            ) from None
+        if value != value or value in (float("inf"), float("-inf")) or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is outside {low:g}..{high:g} ({what})")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def config_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """A stage that reads a config: --config, --debug, --json and key=value overrides."""
-    p = argparse.ArgumentParser(prog=prog, description=description)
+    p = Parser(prog=prog, description=description)
     p.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config file (default: %(default)s)")
     p.add_argument(
         "--debug", action="store_true", help="show the traceback of an error, not only its message"
@@ -80,9 +106,7 @@ def evaluate() -> argparse.ArgumentParser:
 
 
 def generate() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="reinforge generate", description="Sample completions from a local model."
-    )
+    p = Parser(prog="reinforge generate", description="Sample completions from a local model.")
     p.add_argument(
         "prompts",
         nargs="+",
@@ -104,10 +128,21 @@ def generate() -> argparse.ArgumentParser:
         help="HF model directory, a peft adapter directory, or a training output directory (its last "
         "finished run's final model)",
     )
-    p.add_argument("-n", type=int, default=1, help="completions per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--max_new_tokens", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "-n", type=number(int, 1, 1024, "completions per prompt"), default=1, help="completions per prompt"
+    )
+    p.add_argument(
+        "--temperature",
+        type=number(float, 0, 100, "0 is greedy; a negative one would invert the distribution"),
+        default=0.0,
+        help="0 = greedy",
+    )
+    p.add_argument(
+        "--max_new_tokens",
+        type=number(int, 1, 65536, "tokens generated per completion"),
+        default=16,
+    )
+    p.add_argument("--seed", type=number(int, 0, 2**32 - 1, "a 32-bit seed"), default=0)
     p.add_argument(
         "--trust-remote-code",
         action="store_true",
@@ -126,9 +161,24 @@ def reward_model() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", default="checkpoints/rm", help="where the reward model is saved (default: %(default)s)"
     )
-    p.add_argument("--steps", type=int, default=150, help="optimizer steps (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=64, help="pairs per step (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default: %(default)s)")
+    p.add_argument(
+        "--steps",
+        type=number(int, 1, 10**7, "optimizer steps"),
+        default=150,
+        help="optimizer steps (default: %(default)s)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=number(int, 1, 65536, "pairs per step"),
+        default=64,
+        help="pairs per step (default: %(default)s)",
+    )
+    p.add_argument(
+        "--lr",
+        type=number(float, 1e-12, 10, "a learning rate"),
+        default=3e-4,
+        help="AdamW learning rate (default: %(default)s)",
+    )
     return p
 
 
@@ -142,7 +192,7 @@ def nightly() -> argparse.ArgumentParser:
 
 
 def deploy() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="reinforge deploy",
         description="Turn pipelines.yaml into Prefect deployments. "
         "Default: register them and serve them from this process (needs a Prefect server: "
@@ -167,7 +217,7 @@ def deploy() -> argparse.ArgumentParser:
 
 
 def convert() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="reinforge convert",
         description="Split a Hugging Face model into the shards of a worker mesh (--to sharded), or merge a "
         "sharded model or sharded checkpoint back into a Hugging Face directory (--to hf); a round trip is "
@@ -181,13 +231,20 @@ def convert() -> argparse.ArgumentParser:
         "checkpoint (iter_NNNNNN) written with trainer.checkpoint_format=sharded",
     )
     p.add_argument("--out", required=True, help="the directory to write (new, or empty)")
-    p.add_argument("--tensor-parallel", type=int, default=1, help="--to sharded: TP workers per replica")
-    p.add_argument("--data-parallel", type=int, default=1, help="--to sharded: FSDP replicas")
+    p.add_argument(
+        "--tensor-parallel",
+        type=number(int, 1, 1024, "workers"),
+        default=1,
+        help="--to sharded: TP workers per replica",
+    )
+    p.add_argument(
+        "--data-parallel", type=number(int, 1, 1024, "workers"), default=1, help="--to sharded: FSDP replicas"
+    )
     return p
 
 
 def config() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="reinforge config",
         description="The full reference config (generate), or a config as it resolves (show).",
     )
@@ -208,7 +265,7 @@ def config() -> argparse.ArgumentParser:
 
 
 def diagnose() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="reinforge diagnose",
         description="One report of what this machine (and the clusters the environment names) can run: "
         "each line a check with ok / warn / fail and the fix. Exit 0 when nothing fails, 1 otherwise.",
@@ -223,14 +280,16 @@ def diagnose() -> argparse.ArgumentParser:
 
 
 def ui() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="reinforge ui",
         description="The MLflow UI on this checkout's tracking store (or MLFLOW_TRACKING_URI's server), with "
         "the link that opens the experiment on its runs table. Ctrl-C stops it.",
     )
     p.add_argument("--experiment", default="reinforge", help="the experiment to open (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=int, default=5000, help="(default: %(default)s)")
+    p.add_argument(
+        "--port", type=number(int, 1, 65535, "a TCP port"), default=5000, help="(default: %(default)s)"
+    )
     return p
 
 

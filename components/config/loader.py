@@ -14,13 +14,39 @@ from components.config.schema import Config
 from components.errors import ConfigError
 
 
+def check_given(items: Iterable[str], where: str = "on the command line") -> list[str]:
+    """Overrides as a user gave them (`where`): a list of key=value strings, each key once (a config file
+    refuses a repeated key too: which one was meant?). Returns them. The flows layer their own defaults in
+    front of these, where a later key wins (parse_overrides)."""
+    if isinstance(items, str) or not all(isinstance(i, str) for i in items):
+        raise ConfigError(
+            f"overrides {where}: {items!r} is not a list of key=value strings; write it as a list, "
+            '["algorithm.beta=0.04"], not a string (it would be read one character at a time)'
+        )
+    given: dict[str, str] = {}
+    for item in items:
+        key = item.partition("=")[0].strip()
+        if key in given:
+            raise ConfigError(
+                f"override `{key}` is given twice {where} (`{given[key]}` and `{item}`); give it once"
+            )
+        given[key] = item
+    return list(items)
+
+
 def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
-    """Turn ["algorithm.beta=0.1", ...] into a nested dict; values are parsed as YAML scalars."""
+    """Turn ["algorithm.beta=0.1", ...] into a nested dict; values are parsed as YAML scalars. A key given
+    again replaces the earlier value (a flow's defaults, then the user's overrides: check_given)."""
     tree: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override `{item}` is not key=value (e.g. algorithm.beta=0.1)")
+        if "\n" in raw or "\r" in raw:  # YAML would fold the line break into a space
+            raise ConfigError(
+                f"override `{key.strip()}`: its value holds a line break, which YAML would turn into a space; "
+                'give it on one line (write a line break as \\n inside double quotes: key="a\\nb")'
+            )
         node = tree
         parts = key.strip().split(".")
         for part in parts[:-1]:

@@ -153,3 +153,95 @@ def test_ctrl_c_in_the_first_seconds_is_one_line_and_leaves_nothing(tmp_path, co
         time.sleep(0.5)
         with pytest.raises(ProcessLookupError):
             os.killpg(proc.pid, 0)  # no process of the group is left
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["generate", "--temperature", "-1", "1+1="], "argument --temperature: -1 is outside 0..100"),
+        (["generate", "--temperature", "nan", "1+1="], "argument --temperature: nan is outside"),
+        (["generate", "--temperature", "inf", "1+1="], "argument --temperature: inf is outside"),
+        (
+            ["generate", "--max_new_tokens", "100000000000", "1+1="],
+            "argument --max_new_tokens: 100000000000 is",
+        ),
+        (["generate", "--max_new_tokens", "0", "1+1="], "argument --max_new_tokens: 0 is outside 1..65536"),
+        (["generate", "-n", "abc", "1+1="], "argument -n: 'abc' is not an integer"),
+        (["generate", "--seed", "-3", "1+1="], "argument --seed: -3 is outside"),
+        (["reward-model", "--lr", "-0.1"], "argument --lr: -0.1 is outside"),
+        (["reward-model", "--steps", "1e9"], "argument --steps: '1e9' is not an integer"),
+        (
+            ["convert", "--to", "sharded", "--source", "x", "--out", "y", "--tensor-parallel", "0"],
+            "--tensor-parallel",
+        ),
+    ],
+)
+def test_a_number_out_of_its_range_is_one_line_naming_the_argument(args, named, capsys):
+    from flows.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith(f"error: reinforge {args[0]}: ")
+    assert named in err and "usage:" not in err
+
+
+@pytest.mark.parametrize("command", ["train", "evaluate", "sft", "nightly", "config show"])
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (
+            ["actor.optimizer.lr=1e-4", "actor.optimizer.lr=2e-4"],
+            "override `actor.optimizer.lr` is given twice",
+        ),
+        (
+            ["trainer.seed=1", "data.batch_size=8", " trainer.seed=2"],
+            "override `trainer.seed` is given twice",
+        ),
+        (
+            ["trainer.experiment_name=a\nb"],
+            "override `trainer.experiment_name`: its value holds a line break",
+        ),
+        (["trainer.experiment_name=a\r\nb"], "its value holds a line break"),
+    ],
+)
+def test_a_repeated_key_or_a_line_break_on_the_command_line_is_one_line(command, overrides, named, capsys):
+    from flows.cli import main
+
+    assert main([*command.split(), "--config", "configs/arith_grpo.yaml", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and named in err, err
+
+
+PIPELINE = (
+    "pipelines:\n"
+    "  - {{name: n, version: '1', flow: nightly, config: {config}, parameters: {{overrides: {ov}}}}}\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "named"),
+    [
+        ("../elsewhere.yaml", "[]", "pipelines.0.config: '../elsewhere.yaml' resolves to"),
+        ("/etc/hostname", "[]", "outside the project"),
+        ("configs/no_such.yaml", "[]", "'configs/no_such.yaml' is not a file in the project"),
+        ("configs/arith_grpo.yaml", "'algorithm.beta=0.04'", "is not a list of key=value strings"),
+        ("configs/arith_grpo.yaml", "[1, 2]", "is not a list of key=value strings"),
+        (
+            "configs/arith_grpo.yaml",
+            "[trainer.seed=1, trainer.seed=2]",
+            "override `trainer.seed` is given twice",
+        ),
+    ],
+)
+def test_a_pipelines_file_refuses_a_config_outside_the_project_and_untyped_overrides(
+    tmp_path, config, overrides, named
+):
+    from components.errors import ConfigError
+    from flows.deploy import load_pipelines
+
+    f = tmp_path / "pipelines.yaml"
+    f.write_text(PIPELINE.format(config=config, ov=overrides))
+    with pytest.raises(ConfigError) as err:
+        load_pipelines(f)
+    assert named in str(err.value) and "\n" not in str(err.value)

@@ -14,7 +14,7 @@ def test_pipelines_file_is_valid_and_bad_flow_is_named(tmp_path):
     names = {p.name for p in load_pipelines()}
     assert {"arith-grpo", "nightly"} <= names
     bad = tmp_path / "p.yaml"
-    bad.write_text("pipelines:\n  - {name: x, version: '1', flow: trian, config: c.yaml}\n")
+    bad.write_text("pipelines:\n  - {name: x, version: '1', flow: trian, config: configs/arith_grpo.yaml}\n")
     with pytest.raises(ConfigError, match="flow=trian is unknown"):
         load_pipelines(bad)
 
@@ -54,8 +54,8 @@ def test_prefect_yaml_is_current():
 def test_pipelines_file_refuses_duplicate_names_and_bad_crons(tmp_path):
     bad = tmp_path / "p.yaml"
     bad.write_text(
-        "pipelines:\n  - {name: x, version: '1', flow: train, config: c.yaml}\n"
-        "  - {name: x, version: '2', flow: nightly, config: c.yaml}\n"
+        "pipelines:\n  - {name: x, version: '1', flow: train, config: configs/arith_grpo.yaml}\n"
+        "  - {name: x, version: '2', flow: nightly, config: configs/arith_grpo.yaml}\n"
     )
     with pytest.raises(ConfigError, match="x appears more than once"):
         load_pipelines(bad)
@@ -65,7 +65,7 @@ def test_pipelines_file_refuses_duplicate_names_and_bad_crons(tmp_path):
         ("{cron: '0 2 * * *', timezone: Mars/Base}", "Invalid timezone"),
     ):
         bad.write_text(
-            f"pipelines:\n  - {{name: n, version: '1', flow: nightly, config: c.yaml, schedule: {schedule}}}\n"
+            f"pipelines:\n  - {{name: n, version: '1', flow: nightly, config: configs/arith_grpo.yaml, schedule: {schedule}}}\n"
         )
         with pytest.raises(ConfigError, match=f"pipelines.0.schedule: .*{said}"):
             load_pipelines(bad)
