@@ -4,7 +4,12 @@ Each is only a default: a value already in the environment wins.
 """
 
 import os
+import re
+import secrets
+import stat
 from pathlib import Path
+
+from components.errors import ConfigError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # Prefect persists stage results here, in this checkout: never shared with another checkout or user through
@@ -54,21 +59,66 @@ AUTH_FILE = ".prefect-auth"
 RAY_LOOPBACK = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
+AUTH_FORMAT = re.compile(r"^reinforge:[A-Za-z0-9_-]{32}$")
+# what was wrong with this checkout's auth file, if anything: the commands refuse to start on it (check_auth)
+auth_problem: list[str] = []
+
+
+def read_auth(path: Path) -> str:
+    """The auth string in `path`, a regular file of this user's that no one else can read or write, holding
+    one string of AUTH_FORMAT; ConfigError naming the file, what is wrong and the fix otherwise (an empty
+    one, which a crash between creating and writing it leaves, would turn the API's auth off)."""
+    st = os.lstat(path)  # FileNotFoundError: there is none yet
+    if not stat.S_ISREG(st.st_mode):
+        why = "is not a regular file (a link or a directory)"
+    elif st.st_uid != os.getuid():
+        why = f"belongs to another user (uid {st.st_uid})"
+    elif st.st_mode & 0o077:
+        why = f"can be read or written by other users (mode {stat.S_IMODE(st.st_mode):04o})"
+    else:
+        text = path.read_text(errors="replace").strip()
+        if AUTH_FORMAT.match(text):
+            return text
+        why = "is empty" if not text else "does not hold an auth string reinforge wrote"
+    raise ConfigError(
+        f"{path}, the embedded Prefect API's auth file, {why}; an altered one could leave the API open to other "
+        "local users. Delete it (the next command makes a new one), or run with PREFECT_API_URL set."
+    )
+
+
+def write_auth(path: Path) -> None:
+    """A new auth string in `path`, whole or not at all: written and synced under a temporary name, then linked
+    to `path` (a concurrent writer's file, if it got there first, is kept)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"reinforge:{secrets.token_urlsafe(24)}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def prefect_auth_string() -> str:
     """The basic-auth string of this checkout's embedded Prefect API (Prefect's own server.api.auth_string),
     made once and kept in a file only this user can read: another local user cannot change a run's state."""
-    import secrets
-
     path = checkout_root() / AUTH_FILE
     try:
-        return path.read_text().strip()
+        return read_auth(path)
     except FileNotFoundError:
-        pass
-    value = f"reinforge:{secrets.token_urlsafe(24)}"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(value + "\n")
-    return value
+        write_auth(path)
+        return read_auth(path)
+
+
+def check_auth() -> None:
+    """ConfigError when this checkout's auth file was found empty or altered (every command's first check)."""
+    if auth_problem:
+        raise ConfigError(auth_problem[0])
 
 
 def ray_token_at_hand() -> bool:
@@ -89,6 +139,9 @@ def local_defaults() -> dict[str, str]:
     if not os.environ.get("PREFECT_API_URL"):
         try:
             auth = prefect_auth_string()
+        except ConfigError as exc:  # refused by the commands (check_auth); till then the API stays guarded
+            auth_problem[:] = [str(exc)]
+            auth = f"reinforge:{secrets.token_urlsafe(24)}"
         except OSError:  # a read-only checkout: the embedded server runs as Prefect's default does
             auth = None
         if auth:
@@ -101,5 +154,7 @@ def local_defaults() -> dict[str, str]:
 
 
 def apply_defaults() -> None:
+    # what this process and those it starts write (stores, checkpoints, logs, results) no other local user reads
+    os.umask(os.umask(0o077) | 0o077)
     for key, value in {**DEFAULTS, **local_defaults()}.items():
         os.environ.setdefault(key, value)

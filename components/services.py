@@ -246,7 +246,9 @@ def check_run_services(cfg) -> None:
     """check_services for a run of `cfg` (a Config): within trainer.connect_timeout_s, and RAY_ADDRESS's
     cluster only when its workers are Ray actors (trainer.backend)."""
     from components.config.names import RAY_BACKENDS
+    from components.env import check_auth
 
+    check_auth()  # a deployment's run, which no command checked
     check_services(cfg.trainer.connect_timeout_s, ray=cfg.trainer.backend in RAY_BACKENDS)
 
 

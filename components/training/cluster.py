@@ -63,10 +63,34 @@ def ensure_ray(warm_workers: bool = False, start_timeout_s: float = 120.0) -> No
     reclaim_signals()
 
 
+def private_temp_dir() -> str | None:
+    """Where a local instance keeps its session (logs, sockets, runtime resources): a directory only this user
+    can enter. Ray's default, /tmp/ray, is shared, and its session directories are writable by every local
+    user. None when RAY_TMPDIR names one (the user's choice)."""
+    if os.environ.get("RAY_TMPDIR"):
+        return None
+    import stat
+    import tempfile
+
+    # short: a session's socket paths must fit the 107 bytes of a Unix socket's name
+    path = Path(tempfile.gettempdir()) / f"reinforge-ray-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise ServiceError(
+            f"{path}, where this user's local Ray instances keep their sessions, is not a directory of this "
+            "user's; remove it (another user may have made it to read this one's sessions), or set RAY_TMPDIR."
+        )
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return str(path / "r")  # Ray makes its root 0777: the private directory is the one above it
+
+
 def local_init(warm_workers: bool) -> None:
     """ray.init() of a local instance (see ensure_ray)."""
     ray.init(
         address="local",
+        _temp_dir=private_temp_dir(),
         num_cpus=max(8, os.cpu_count() or 2),
         include_dashboard=False,
         log_to_driver=True,

@@ -65,7 +65,8 @@ def test_pipelines_file_refuses_duplicate_names_and_bad_crons(tmp_path):
         ("{cron: '0 2 * * *', timezone: Mars/Base}", "Invalid timezone"),
     ):
         bad.write_text(
-            f"pipelines:\n  - {{name: n, version: '1', flow: nightly, config: configs/arith_grpo.yaml, schedule: {schedule}}}\n"
+            "pipelines:\n  - {name: n, version: '1', flow: nightly, config: configs/arith_grpo.yaml, "
+            f"schedule: {schedule}}}\n"
         )
         with pytest.raises(ConfigError, match=f"pipelines.0.schedule: .*{said}"):
             load_pipelines(bad)
