@@ -17,7 +17,6 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
 from components.config import Config
-from components.config.loader import check_given
 from components.lineage import file_md5
 from components.locking import exclusive, pipeline_lock
 from components.tracking.registry import CHAMPION, download_version, register_candidate
@@ -86,8 +85,7 @@ def nightly_flow(
     """
     # a finished run is trained again; CPU, memory, disk and network use (system/*) are recorded unless the
     # overrides say otherwise (they come after these defaults)
-    given = check_given(overrides or [], "in the nightly's overrides")
-    overrides = ["trainer.log_system_metrics=true", *given, "trainer.when_finished=retrain"]
+    overrides = ["trainer.log_system_metrics=true", *(overrides or []), "trainer.when_finished=retrain"]
     cfg = load_checked(config, overrides)
     with exclusive(pipeline_lock(cfg.trainer.output_dir), f"pipeline {pipeline}"):
         for name in crash_abandoned(pipeline):

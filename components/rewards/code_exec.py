@@ -27,6 +27,7 @@ import json
 import math
 import operator
 import re
+import time
 from functools import lru_cache
 
 from components.rewards.sandbox import Sandbox, SessionClosed
@@ -86,7 +87,11 @@ _COMPARE = {
     ast.Is: operator.is_,
     ast.IsNot: operator.is_not,
 }
-MAX_SIZE = 1 << 20  # the largest sequence or exponent the host builds while evaluating a test
+MAX_SIZE = 1 << 20  # the most a value the host builds while evaluating a test may weigh (weight())
+MAX_BITS = 1 << 16  # the largest integer it builds (Python refuses to print more than 4300 digits anyway)
+MAX_TEST_CHARS = 20_000  # a test longer than this is a malformed ground truth, refused before it is parsed
+MAX_TESTS = 1_000
+TEST_SECONDS = 2.0  # the host's own work on one test (the solution's calls have the sandbox's limits)
 
 
 class Unsupported(ValueError):
@@ -110,14 +115,22 @@ def extract_code(text: str) -> str:
 
 
 def parse_test(test: str) -> ast.expr:
-    """The expression a test asserts; Unsupported naming the test when it is not `assert <expr>` or `<expr>`.
+    """The expression a test asserts; Unsupported naming the test when it is not `assert <expr>` or `<expr>`,
+    or is longer than MAX_TEST_CHARS (checked before it is parsed).
 
     >>> ast.dump(parse_test("assert f(1) == 2"))[:7]
     'Compare'
     """
+    if len(test) > MAX_TEST_CHARS:
+        raise Unsupported(
+            f"code reward: a test of {len(test)} characters ({test[:40]!r}...); a test is one assert of at most "
+            f"{MAX_TEST_CHARS}"
+        )
     try:
         body = ast.parse(test).body
-    except SyntaxError as exc:
+    except (SyntaxError, RecursionError, MemoryError) as exc:
+        if not isinstance(exc, SyntaxError):
+            raise Unsupported(f"code reward: test {test[:60]!r}... is nested too deeply to parse") from None
         raise Unsupported(f"code reward: test {test!r} is not Python ({exc.msg})") from None
     if len(body) == 1 and isinstance(body[0], ast.Assert):
         return body[0].test
@@ -130,19 +143,85 @@ def parse_test(test: str) -> ast.expr:
     )
 
 
+def weight(value, budget: int = MAX_SIZE) -> int:
+    """What walking `value` costs (comparing it, printing it, copying it): characters of a string, 64-bit words
+    of an integer, 1 per other scalar, and the weights of a container's items, a shared item counted each time
+    it appears. Stops counting past `budget` (the answer is then budget + 1): never slower than the budget."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (str, bytes)):
+            total += 1 + len(v)
+        elif isinstance(v, int) and not isinstance(v, bool):
+            total += 1 + v.bit_length() // 64
+        elif isinstance(v, dict):
+            total += 1
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            total += 1
+            stack.extend(v)
+        else:
+            total += 1
+        if total > budget:
+            return budget + 1
+    return total
+
+
 def _bounded(value):
-    if isinstance(value, (str, bytes, list, tuple, set, dict)) and len(value) > MAX_SIZE:
+    if weight(value) > MAX_SIZE:
         raise _Failed("a value too large to compare")
     return value
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_binop(op: ast.operator, left, right) -> None:
+    """_Failed before an operation whose result would be too large to build (a repeated sequence, a product or
+    power of integers past MAX_BITS, string formatting): its operands are each bounded, its result may not be."""
+    if isinstance(op, ast.Mult):
+        if _is_int(left) and _is_int(right) and left.bit_length() + right.bit_length() > MAX_BITS:
+            raise _Failed("a product too large to evaluate")
+        for seq, times in ((left, right), (right, left)):
+            repeated = isinstance(seq, (str, bytes, list, tuple)) and _is_int(times)
+            if repeated and weight(seq) * max(times, 0) > MAX_SIZE:
+                raise _Failed("a repetition too large to evaluate")
+    elif isinstance(op, ast.Pow) and _is_int(left) and _is_int(right) and right > 0:
+        if abs(left) > 1 and left.bit_length() * right > MAX_BITS:
+            raise _Failed("an exponent too large to evaluate")
+    elif isinstance(op, ast.Mod) and isinstance(left, (str, bytes)):
+        raise _Failed("string formatting is not evaluated (a width can build any size)")
+
+
+def _check_call(name: str, args: tuple) -> None:
+    """_Failed before a safe call that would take too long: sum() over sequences (a quadratic concatenation)."""
+    if name != "sum" or not args:
+        return
+    items = args[0] if isinstance(args[0], (list, tuple, set, frozenset)) else ()
+    if any(isinstance(v, (str, bytes, list, tuple)) for v in (*items, *args[1:])):
+        raise _Failed("sum() over sequences is not evaluated")
 
 
 class Evaluator:
     """Evaluates a test expression over plain values; `call(name, args, kwargs)` answers the solution's calls."""
 
-    def __init__(self, call):
-        self.call = call
+    def __init__(self, call, seconds: float = TEST_SECONDS):
+        self.call, self.seconds = call, seconds
+        self.deadline = None
+
+    def evaluate(self, expression: ast.expr):
+        """One test's value, its host-side work bounded by `seconds` (the solution's calls excepted)."""
+        self.deadline = time.monotonic() + self.seconds
+        try:
+            return self(expression)
+        except RecursionError:
+            raise _Failed("a test nested too deeply") from None
 
     def __call__(self, node: ast.AST):
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise _Failed(f"the test took more than {self.seconds:g} s to evaluate")
         method = getattr(self, f"_{type(node).__name__}", None)
         if method is None:
             raise Unsupported(
@@ -174,19 +253,7 @@ class Evaluator:
         if type(node.op) not in _BINARY:
             raise Unsupported(f"code reward: operator in `{ast.unparse(node)}`")
         left, right = self(node.left), self(node.right)
-        if (
-            isinstance(node.op, ast.Pow)
-            and isinstance(right, (int, float))
-            and abs(right) > 64
-            and not (isinstance(left, (int, float)) and abs(left) <= 1)
-        ):
-            raise _Failed("an exponent too large to evaluate")
-        if (
-            isinstance(node.op, ast.Mult)
-            and any(isinstance(v, int) and v > MAX_SIZE for v in (left, right))
-            and any(isinstance(v, (str, list, tuple, bytes)) for v in (left, right))
-        ):
-            raise _Failed("a repetition too large to evaluate")
+        _check_binop(node.op, left, right)
         return _BINARY[type(node.op)](left, right)
 
     def _BoolOp(self, node):
@@ -230,6 +297,7 @@ class Evaluator:
                 f"code reward: `{ast.unparse(node)}` calls something other than a function by name"
             )
         if func.id in SAFE_CALLS:
+            _check_call(func.id, args)
             return SAFE_CALLS[func.id](*args, **kwargs)
         kind, value = self.call(func.id, args, kwargs)  # the solution's function, in the sandbox
         if kind != "value":
@@ -245,7 +313,11 @@ def sandbox_for(limits: SandboxLimits, concurrency: int) -> Sandbox:
 
 def tests_of(ground_truth, extra_info: dict | None) -> list[str]:
     tests = (extra_info or {}).get("tests") or ground_truth
+    if isinstance(tests, str) and len(tests) > MAX_TESTS * MAX_TEST_CHARS:
+        raise ValueError(f"code reward: a ground truth of {len(tests)} characters; too long to be tests")
     tests = json.loads(tests) if isinstance(tests, str) else tests
+    if isinstance(tests, list) and len(tests) > MAX_TESTS:
+        raise ValueError(f"code reward: {len(tests)} tests in one row; at most {MAX_TESTS}")
     if not isinstance(tests, list) or not all(isinstance(t, str) for t in tests):
         raise ValueError(
             "code reward: ground_truth (or extra_info['tests']) must be a JSON list of test "
@@ -260,11 +332,11 @@ def run_tests(code: str, tests: list[str], sandbox: Sandbox) -> tuple[list[bool]
     passed: list[bool] = []
     status = "ok"
     with sandbox.session(code) as session:
-        evaluate = Evaluator(session.call)
+        evaluator = Evaluator(session.call)
         status = "ok" if session.loaded else "error"
         for expression in expressions:
             try:
-                passed.append(bool(evaluate(expression)))
+                passed.append(bool(evaluator.evaluate(expression)))
             except _Failed:
                 passed.append(False)
             except SessionClosed as closed:

@@ -60,6 +60,16 @@ def task_runs(flow_run_id, expected=(), timeout_s: float = 60.0) -> dict:
         )
 
 
+def merged(*groups) -> list[str]:
+    """Override lists as one, each key once, a later group's value replacing an earlier's: what a command line
+    (or a pipeline's parameters) takes, as it refuses a key given twice."""
+    out: dict[str, str] = {}
+    for group in groups:
+        for item in group:
+            out[item.partition("=")[0].strip()] = item
+    return list(out.values())
+
+
 def small_overrides(root, iterations=4, backend: str = "local") -> list[str]:
     """A shrunken default pipeline whose every output lives under `root`. Its workers run in the test's
     process (trainer.backend=local: no Ray to start, ~10 CPU-seconds less per run on 2 cores) unless
@@ -116,7 +126,7 @@ def sft_ready(
 
     before = os.environ.get("MLFLOW_TRACKING_URI")  # an enclosing sft_ready's (a module fixture's), restored
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlruns.db"
-    ov = small_overrides(root, iterations, backend) + list(extra)
+    ov = merged(small_overrides(root, iterations, backend), extra)
     # the data and SFT model depend only on the config and its data./sft. keys: made once per session for
     # them, then copied into each module's root (its own copy, ~2 MB; ~25 s of CPU saved each time)
     key = (config, tuple(o for o in extra if o.split("=", 1)[0].startswith(("data.", "sft."))))

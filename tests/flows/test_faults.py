@@ -20,7 +20,7 @@ from components.errors import OutputError
 from components.models.loading import load_model
 from components.tracking import checkpoints
 from tests.conftest import descendants
-from tests.flows.conftest import latest_checkpoint, run_dir, sft_ready
+from tests.flows.conftest import latest_checkpoint, merged, run_dir, sft_ready
 
 pytestmark = pytest.mark.slow
 
@@ -80,8 +80,7 @@ def test_sigkilled_run_resumes_to_the_same_state(start, whole, prefect_api):
         "train",
         "--config",
         "configs/arith_grpo.yaml",
-        *ov,
-        f"trainer.output_dir={out}",
+        *merged(ov, [f"trainer.output_dir={out}"]),
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_API_URL": prefect_api}  # the tests' one server
     proc = subprocess.Popen(
@@ -271,11 +270,11 @@ def _left(procs: list) -> list:
 def _train_until(ov: list[str], out: Path, checkpoint: str, prefect_api: str | None, *more: str):
     """`reinforge train` in a process group of its own, once it has saved `checkpoint` (or ended): with
     prefect_api, against that server; without, on its own in-process server."""
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", "configs/arith_grpo.yaml", *ov]
+    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", "configs/arith_grpo.yaml"]
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env |= {"PYTHONUNBUFFERED": "1"} | ({"PREFECT_API_URL": prefect_api} if prefect_api else {})
     proc = subprocess.Popen(
-        [*cmd, f"trainer.output_dir={out}", *more],
+        [*cmd, *merged(ov, [f"trainer.output_dir={out}"], more)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.flows.conftest import latest_checkpoint, run_dir, small_overrides
+from tests.flows.conftest import latest_checkpoint, merged, run_dir, small_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -62,10 +62,10 @@ def test_two_nightlies_one_trains_and_a_crashed_one_is_resumed(tmp_path, prefect
 
 def two_nightlies(tmp_path: Path, prefect_api: str, tracking: str) -> None:
     # an output directory named like the pipeline: the nightly's lock and its training's are still two locks
-    ov = small_overrides(tmp_path, iterations=4) + [
-        "trainer.save_interval=1",
-        f"trainer.output_dir={tmp_path}/nightly",
-    ]
+    ov = merged(
+        small_overrides(tmp_path, iterations=4),
+        ["trainer.save_interval=1", f"trainer.output_dir={tmp_path}/nightly"],
+    )
     env = {
         **os.environ,
         "MLFLOW_TRACKING_URI": tracking,

@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from components.models import build_char_tokenizer, build_tiny_model, save_pretrained
 from tests.conftest import descendants
-from tests.flows.conftest import small_overrides
+from tests.flows.conftest import merged, small_overrides
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "arith_grpo.yaml")
 
@@ -57,8 +57,10 @@ def user_project(tmp_path, monkeypatch):
 
 def overrides(root: Path, *extra: str) -> list[str]:
     """The user's project as a run's overrides; its workers in this process (trainer.backend=local) unless
-    `extra` says ray (what these tests check is the driver's)."""
-    return [
+    `extra` says ray (what these tests check is the driver's); a key of `extra` replaces the default's (a
+    command line gives each key once)."""
+    given = {e.split("=", 1)[0] for e in extra}
+    defaults = [
         "trainer.backend=local",
         f"trainer.run_dir={root}",
         f"data.train_path={root}/train.jsonl",
@@ -79,8 +81,8 @@ def overrides(root: Path, *extra: str) -> list[str]:
         "trainer.experiment_name=user",
         "reward_model.method=flexible",
         "reward_model.format_score=0.1",
-        *extra,
     ]
+    return [d for d in defaults if d.split("=", 1)[0] not in given] + list(extra)
 
 
 def no_runs(root: Path) -> bool:
@@ -181,7 +183,7 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("make", list(BAD_INPUTS), ids=lambda f: f.__name__)
 def test_bad_input_stops_with_one_line_before_any_run(user_project, prefect_harness, capsys, make):
     backend = "ray" if make.__name__ in ON_RAY else "local"
-    rc, err = run_train(overrides(user_project, f"trainer.backend={backend}") + make(user_project), capsys)
+    rc, err = run_train(overrides(user_project, f"trainer.backend={backend}", *make(user_project)), capsys)
     assert rc == 2, err
     assert re.search(BAD_INPUTS[make], err), err
     assert "Traceback" not in err and err.count("error:") == 1
@@ -237,7 +239,7 @@ def test_an_all_invalid_dataset_names_the_quarantine_file_it_wrote(tmp_path, pre
     stale = tmp_path / "clean" / "train.parquet"
     stale.parent.mkdir()
     stale.write_text("yesterday's clean file")
-    rc = main(["--step", "clean", *small_overrides(tmp_path), f"data.quarantine_dir={tmp_path}/q"])
+    rc = main(["--step", "clean", *merged(small_overrides(tmp_path), [f"data.quarantine_dir={tmp_path}/q"])])
     err = capsys.readouterr().err
     assert rc == 2 and f"written to {tmp_path}/q/train.parquet" in err and "row 0: prompt is empty" in err
     assert (tmp_path / "q" / "train.parquet").is_file() and not stale.exists()

@@ -307,3 +307,46 @@ def test_an_honest_solution_still_scores_one():
 def test_a_test_outside_the_evaluator_is_a_malformed_ground_truth():
     with pytest.raises(ValueError, match=r"test 'x = add\(1, 2\)' is not one `assert <expression>`"):
         score("def add(a, b):\n    return a + b", ["x = add(1, 2)"])
+
+
+# tests that come with a row and would build gigabytes, or compute for minutes, in the host's evaluator
+HOSTILE_TESTS = {
+    "a long string repeated": "assert ('a' * 999999) * 999999 == ''",
+    "a nested repetition": "assert [[0] * 1000000] * 1000000 == [[0] * 1000000] * 1000000",
+    "a power tower": "assert ((2 ** 64) ** 64) ** 64 ** 2 == 0",
+    "a product chain": "assert (2 ** 30000) * (2 ** 30000) * (2 ** 30000) == 0",
+    "a format width": "assert '%0999999999d' % 1 == ''",
+    "sum over lists": "assert sum([[1] * 1000] * 1000, []) == []",
+    "many big comparisons": "assert " + " and ".join(["[0]*1000000 == [0]*1000000"] * 600),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_TESTS))
+def test_a_rows_tests_never_build_or_compute_without_bounds(name):
+    """Each fails as a test (the row's other test still passes) within seconds, and the host never holds more
+    than a few tens of MB for it: sizes are checked before a value is built, and each test has a time budget."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        out, seconds = score("def f():\n    return 1", ["assert f() == 1", HOSTILE_TESTS[name]])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out["passed"] == 1.0 and out["status/ok"] == 1.0, out
+    assert seconds < code_exec.TEST_SECONDS + 4 and peak < 64 << 20, (seconds, peak >> 20)
+
+
+@pytest.mark.parametrize(
+    "test",
+    [
+        "assert " + "1 + " * 10000 + "1",  # longer than a test may be
+        "assert " + "(" * 5000 + "1" + ")" * 5000,  # nested past what Python parses
+    ],
+    ids=["too long", "too deep"],
+)
+def test_a_test_too_long_or_deep_is_a_malformed_ground_truth_before_it_is_parsed(test):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="code reward: "):
+        code_exec.score("```python\ndef f():\n    return 1\n```", [test], None, limits=LIMITS)
+    assert time.monotonic() - start < 2

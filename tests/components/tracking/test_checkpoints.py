@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from components.errors import CheckpointError, ConfigError
+from components.errors import CheckpointError, ConfigError, OutputError
 from components.models import save_pretrained
 from components.tracking import checkpoints
 from tests.conftest import make_model
@@ -83,7 +83,7 @@ def test_failed_save_leaves_previous_checkpoint(tmp_path, tokenizer):
         (out / "partial").write_text("x")
         raise OSError(28, "No space left on device")
 
-    with pytest.raises(OSError):
+    with pytest.raises(OutputError, match="no space left on the device of .* writing checkpoint iter_000002"):
         checkpoints.save_checkpoint(tmp_path, 2, boom, {})
     assert checkpoints.latest(tmp_path) == good
     assert not list(tmp_path.glob(".tmp_*")) and not (tmp_path / "iter_000002").exists()

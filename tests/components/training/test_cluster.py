@@ -83,9 +83,11 @@ def test_a_local_ray_start_that_times_out_is_tried_once_more(monkeypatch):
             raise Exception(RAY_TIMEOUT)  # what Ray raises
 
     monkeypatch.setattr(cluster, "local_init", slow_then_up)
+    # the failed start's processes are stopped; not this test process's own Ray, which other tests use
+    monkeypatch.setattr(cluster.ray, "shutdown", lambda: calls.append("shutdown"))
     monkeypatch.delenv(cluster.GCS_WAIT_ENV, raising=False)
     cluster.start_local(True, 300)
-    assert calls == [True, True] and cluster.os.environ[cluster.GCS_WAIT_ENV] == "300"
+    assert calls == [True, "shutdown", True] and cluster.os.environ[cluster.GCS_WAIT_ENV] == "300"
 
 
 def test_a_local_ray_start_that_never_comes_up_is_one_line_naming_the_setting(monkeypatch):
@@ -96,6 +98,7 @@ def test_a_local_ray_start_that_never_comes_up_is_one_line_naming_the_setting(mo
         raise Exception(RAY_TIMEOUT + "\nmore of Ray's lines")
 
     monkeypatch.setattr(cluster, "local_init", never)
+    monkeypatch.setattr(cluster.ray, "shutdown", lambda: None)
     with pytest.raises(ServiceError) as err:
         cluster.start_local(False, 90)
     message = str(err.value)
