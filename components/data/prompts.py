@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from components.data import templates
 from components.errors import ConfigError
 from components.settings import MESSAGES, PromptSettings
 
@@ -76,7 +77,7 @@ def render_prompt(tokenizer, prompt: Any, settings: PromptSettings, tools: list[
         return prompt
     messages = [{"role": "user", "content": prompt}] if form == TEXT else [dict(m) for m in prompt]
     extra = {"tools": tools} if tools else {}
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+    return templates.render(tokenizer, messages, add_generation_prompt=True, **extra)
 
 
 def encode_prompt(

@@ -30,6 +30,7 @@ import re
 import time
 from functools import lru_cache
 
+from components.bounds import weight
 from components.rewards.sandbox import Sandbox, SessionClosed
 from components.settings import SandboxLimits
 
@@ -141,31 +142,6 @@ def parse_test(test: str) -> ast.expr:
         "outside the solution's process, over calls of its functions, literals, arithmetic, "
         "comparisons and len/abs/sorted/... (components/rewards/code_exec.py)"
     )
-
-
-def weight(value, budget: int = MAX_SIZE) -> int:
-    """What walking `value` costs (comparing it, printing it, copying it): characters of a string, 64-bit words
-    of an integer, 1 per other scalar, and the weights of a container's items, a shared item counted each time
-    it appears. Stops counting past `budget` (the answer is then budget + 1): never slower than the budget."""
-    total, stack = 0, [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, (str, bytes)):
-            total += 1 + len(v)
-        elif isinstance(v, int) and not isinstance(v, bool):
-            total += 1 + v.bit_length() // 64
-        elif isinstance(v, dict):
-            total += 1
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            total += 1
-            stack.extend(v)
-        else:
-            total += 1
-        if total > budget:
-            return budget + 1
-    return total
 
 
 def _bounded(value):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from components.data import templates
 from components.rollout.base import RolloutOutput
 from components.rollout.tools import CALL_CLOSE, TOOLS, ToolError, parse_tool_call
 from components.seeding import derive_seed
@@ -45,11 +46,11 @@ def tool_turn_text(tokenizer, result: str, after_eos: bool) -> str:
     the tool's output as a `tool` message (Qwen2.5: `<|im_end|>\\n<|im_start|>user\\n<tool_response>...`). When
     the assistant turn already ended with EOS, a leading EOS in that text is not repeated."""
     user = [{"role": "user", "content": "q"}]
-    before = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
-    full = tokenizer.apply_chat_template(
+    before = templates.render(tokenizer, user, add_generation_prompt=True)
+    full = templates.render(
+        tokenizer,
         user + [{"role": "assistant", "content": _MARK}, {"role": "tool", "content": result}],
         add_generation_prompt=True,
-        tokenize=False,
     )
     if not full.startswith(before + _MARK):
         raise ValueError(
