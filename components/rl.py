@@ -197,3 +197,22 @@ def first_groups(batch: Batch, n_groups: int) -> Batch:
     ids = batch.tensors["group_ids"]
     keep_ids = list(dict.fromkeys(ids.tolist()))[:n_groups]
     return batch.select(torch.isin(ids, torch.tensor(keep_ids, dtype=ids.dtype)).nonzero().squeeze(-1))
+
+
+ZERO_REWARD_ITERATIONS = 3  # iterations whose every reward is exactly 0 before a run says so
+
+
+def zero_reward_warning(history: list[dict], scorers: str) -> str | None:
+    """One line when the run's first ZERO_REWARD_ITERATIONS iterations (`history`: their metrics) rewarded
+    every sample exactly 0, naming the likely causes and the `scorers` used; None otherwise (and after)."""
+    if len(history) != ZERO_REWARD_ITERATIONS:
+        return None
+    if any(h.get("critic/score/max") != 0.0 or h.get("critic/score/min") != 0.0 for h in history):
+        return None
+    first, last = history[0].get("step", 1), history[-1].get("step", ZERO_REWARD_ITERATIONS)
+    return (
+        f"iterations {first}-{last}: every sample's reward was exactly 0 (scored by {scorers}), so nothing is "
+        "learned: the ground truths may be ones the scorer never matches (`reinforge clean` quarantines those it "
+        "knows), the answers may lack the form it extracts (gsm8k's strict method wants `#### N`), or the model "
+        "needs a warm start (SFT)"
+    )

@@ -20,6 +20,8 @@ from components.locking import exclusive, training_lock
 from components.outputs import TRAIN_OUTPUT, check_output
 from components.plan import make_plan
 from components.progress import Timer, console, iteration_line, progress_bar, resume_hint, startup_metrics
+from components.rewards.registry import scorer_names
+from components.rl import zero_reward_warning
 from components.rollout.staleness import overlap_seconds, staleness_metrics, within_bound
 from components.run import Run
 from components.services import PrefectWatch
@@ -250,6 +252,8 @@ def train(run: Run, starting: StartingWorkers, started: float) -> dict:
                 rebuilds = recover(run, exc, rebuilds + 1)
                 continue
             run.history.append({"step": run.iteration, **metrics})
+            if warning := zero_reward_warning(run.history, scorer_names(run.scorers)):
+                logger().warning(warning)  # the terminal and the flow run's Logs tab
             advance(info=f"reward {metrics['critic/score/mean']:.3f}")
             line = iteration_line(run.iteration, total, metrics)
             logger().info(line)  # the flow run's Logs tab in the Prefect UI

@@ -60,6 +60,10 @@ STAGES: dict[str, StageKeys] = {
     "clean": StageKeys(
         (
             *PROMPT_KEYS,
+            # the scorer each data_source gets: a ground truth it can never match is quarantined
+            "reward_model.sources",
+            "reward_model.default_scorer",
+            "custom_reward_function.path",
             "data.task",
             "sft.base_model",
             "sft.output_dir",

@@ -27,6 +27,7 @@ from components.data.images import IMAGE_TOKEN, image_problem, image_ref
 from components.data.io import read_rows, to_plain, write_parquet
 from components.data.prompts import check_fits, encode_prompt, prompt_form, prompt_text
 from components.errors import ConfigError, DataError
+from components.rewards.registry import ScorerChoice
 from components.settings import PromptSettings
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
@@ -43,11 +44,19 @@ class RowRules:
     # tokens each `<image>` placeholder becomes for the policy (its processor's expansion); None = a text-only
     # policy, which refuses files with images
     image_tokens: int | None = None
+    # which scorer each data_source gets: a ground truth it can never match is quarantined
+    scorers: ScorerChoice = field(default_factory=ScorerChoice)
 
     @classmethod
     def from_config(cls, cfg, image_tokens: int | None = None) -> RowRules:
         d = cfg.data
-        return cls(d.max_prompt_len, d.allow_unk, PromptSettings.from_config(cfg), image_tokens)
+        return cls(
+            d.max_prompt_len,
+            d.allow_unk,
+            PromptSettings.from_config(cfg),
+            image_tokens,
+            ScorerChoice.from_config(cfg),
+        )
 
 
 @dataclass(frozen=True)
@@ -252,6 +261,13 @@ class RowChecker:
                 "one), or give text-only data."
             )
 
+    def _truth_problem(self, rec: dict) -> Problem | None:
+        """A ground truth the row's scorer, with its own normalisation, can never match: trained on, it would
+        score 0 whatever the model answered."""
+        truth = normalise_truth(rec["reward_model"]["ground_truth"])
+        why = self.rules.scorers.truth_problem(rec["data_source"], truth, rec.get("extra_info"))
+        return Problem("unmatchable_truth", "reward_model.ground_truth", why) if why else None
+
     def _token_problem(self, prompt) -> Problem | None:
         ids = encode_prompt(self.tokenizer, prompt, self.rules.prompts)
         images = prompt_text(prompt).count(IMAGE_TOKEN) if self.rules.image_tokens else 0
@@ -317,7 +333,7 @@ class RowChecker:
                     f"a {this} prompt in a file of {form} prompts; one file holds one form",
                 )
                 continue
-            problem = self._token_problem(rec["prompt"])
+            problem = self._token_problem(rec["prompt"]) or self._truth_problem(rec)
             if problem is not None:
                 problems[i] = problem
                 continue

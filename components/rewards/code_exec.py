@@ -346,3 +346,16 @@ def score(
         "passed": float(sum(passed)),
         **{f"status/{s}": float(s == status) for s in STATUSES},
     }
+
+
+def truth_problem(ground_truth, extra_info: dict | None = None) -> str | None:
+    """Why a row's tests can never be run (not a list of tests, too many, too long, not one assert over what
+    the evaluator takes), or None: the reason its row is quarantined at cleaning, not a failed run later."""
+    try:
+        for test in tests_of(ground_truth, extra_info):
+            parse_test(test)
+    except json.JSONDecodeError as exc:
+        return f"is not a JSON list of tests ({exc.msg})"
+    except ValueError as exc:
+        return f"is not runnable: {str(exc).removeprefix('code reward: ')[:300]}"
+    return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -98,6 +99,59 @@ def scorer_for(data_source: str, cfg: Config) -> Scorer:
     )
 
 
+def _code_truth(truth, extra_info) -> str | None:
+    from components.rewards import code_exec
+
+    return code_exec.truth_problem(truth, extra_info)
+
+
+# a scorer's own test of the ground truths it can ever match: the clean stage quarantines the others
+TRUTH_CHECKS: dict[Callable, Callable[[object, dict | None], str | None]] = {
+    _gsm8k: lambda truth, extra_info: gsm8k.truth_problem(truth),
+    _code: _code_truth,
+}
+
+
+@dataclass(frozen=True)
+class ScorerChoice:
+    """Which scorer each data_source gets (reward_model.sources, reward_model.default_scorer, a custom reward
+    function), as plain data a stage can hold and hash."""
+
+    custom: bool = False
+    sources: tuple[tuple[str, str], ...] = ()
+    default: str | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ScorerChoice:
+        rm = cfg.reward_model
+        return cls(
+            bool(cfg.custom_reward_function.path), tuple(sorted(rm.sources.items())), rm.default_scorer
+        )
+
+    def factory(self, data_source: str) -> tuple[str, Callable] | None:
+        """(the scorer's name, its factory) for `data_source`, as scorer_for picks it; None for a custom
+        function or a source with no scorer (the run names that)."""
+        if self.custom:
+            return None
+        name = dict(self.sources).get(data_source)
+        if name in SCORERS:
+            return name, SCORERS[name]
+        if name is None and data_source in REWARDS:
+            factory = REWARDS[data_source]
+            return next((n for n, f in SCORERS.items() if f is factory), data_source), factory
+        if name is None and self.default in SCORERS:
+            return self.default, SCORERS[self.default]
+        return None
+
+    def truth_problem(self, data_source: str, truth, extra_info: dict | None = None) -> str | None:
+        """Why `truth` can never be matched by the scorer `data_source` gets, naming it; None when it can, or
+        when that scorer (a custom one, math's) takes any."""
+        found = self.factory(data_source)
+        check = TRUTH_CHECKS.get(found[1]) if found else None
+        why = check(truth, extra_info) if check else None
+        return f"the {found[0]} scorer can never match this ground truth: it {why}" if why else None
+
+
 def scorers_for(data_sources: list[str], cfg: Config) -> dict[str, Scorer]:
     """The scorer of each distinct data_source (KeyError naming an unregistered one)."""
     return {source: scorer_for(source, cfg) for source in dict.fromkeys(data_sources)}
@@ -110,6 +164,11 @@ def scorer_name(fn) -> str:
         return origin
     inner = getattr(fn, "func", fn)
     return f"{getattr(inner, '__module__', '')}.{getattr(inner, '__qualname__', repr(inner))}".lstrip(".")
+
+
+def scorer_names(scorers: dict) -> str:
+    """`data_source` -> scorer as one phrase: `arith: components.rewards.gsm8k.score`."""
+    return ", ".join(f"{source}: {scorer_name(fn)}" for source, fn in scorers.items())
 
 
 def _split(value, fn, i: int, source: str, text: str) -> tuple[object, dict[str, float]]:

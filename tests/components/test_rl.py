@@ -229,3 +229,19 @@ def test_rounds_of_different_widths_concatenate_with_padding():
         [1, 0, 0],
     ]
     assert t["group_ids"].tolist() == [0, 1]
+
+
+def test_a_run_that_rewards_nothing_in_its_first_iterations_says_so_once():
+    from components.rl import ZERO_REWARD_ITERATIONS, zero_reward_warning
+
+    zero = {"critic/score/max": 0.0, "critic/score/min": 0.0}
+    history = [{"step": s, **zero} for s in range(1, ZERO_REWARD_ITERATIONS + 1)]
+    line = zero_reward_warning(history, "arith: components.rewards.gsm8k.score")
+    assert (
+        line.startswith("iterations 1-3: every sample's reward was exactly 0 (scored by arith: ")
+        and "\n" not in line
+    )
+    assert zero_reward_warning(history[:-1], "s") is None  # not yet
+    assert zero_reward_warning(history + [{"step": 4, **zero}], "s") is None  # said once
+    one_reward = [*history[:-1], {"step": 3, "critic/score/max": 0.1, "critic/score/min": 0.0}]
+    assert zero_reward_warning(one_reward, "s") is None

@@ -394,3 +394,23 @@ def test_a_ray_cluster_is_not_asked_for_when_the_workers_run_in_this_process(mon
 
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_closed_port()}")
     assert check_config(CONFIG, ["trainer.backend=local", "trainer.connect_timeout_s=3"]) == 0
+
+
+@pytest.mark.slow
+def test_a_run_that_rewards_nothing_says_so_after_its_first_iterations(user_project, prefect_api):
+    """A reward that is 0 for every sample (here a custom one; in life, truths the scorer never matches or
+    answers without its form) trains on: after its first 3 iterations the run says so in one line."""
+    argv = overrides(user_project, _reward_file(user_project, "return 0.0"), "trainer.iterations=3")
+    res = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "train", "--config", CONFIG, *argv],
+        cwd=user_project,  # a custom reward file lives inside the project
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PREFECT_API_URL": prefect_api},
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [line for line in res.stderr.splitlines() if "every sample's reward was exactly 0" in line]
+    assert len(lines) == 1 and "iterations 1-3" in lines[0] and "rewards/mine.py" in lines[0], res.stderr[
+        -3000:
+    ]

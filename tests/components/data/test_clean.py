@@ -62,7 +62,12 @@ def test_malformed_rows_are_quarantined_with_their_true_reason():
 def test_unambiguous_types_are_normalised_not_rejected():
     rows = [
         {**good(1), "reward_model": {"style": "rule", "ground_truth": 3}},
-        {**good(2), "reward_model": {"ground_truth": {"target": 4, "numbers": [1, 3]}}, "ability": None},
+        {  # countdown's target and numbers: its scorer's truth, not arith's
+            **good(2),
+            "data_source": "countdown",
+            "reward_model": {"ground_truth": {"target": 4, "numbers": [1, 3]}},
+            "ability": None,
+        },
     ]
     kept, quarantined = clean_rows(pd.DataFrame(rows), TOK, RULES, "x")
     assert not quarantined
@@ -306,3 +311,53 @@ def test_a_fifo_or_a_directory_given_as_data_is_named_without_waiting(tmp_path):
         read_rows(tmp_path, "data.train_path")
     with pytest.raises(DataError, match="does not exist"):
         read_rows(tmp_path / "missing.parquet", "data.train_path")
+
+
+UNMATCHABLE = {
+    "+5": "has a leading +",
+    "1,234": "has a thousands separator",
+    "1e3": "is in exponent form: write 1000",
+    "5.0": "not in the plain form an answer takes",
+    "007": "not in the plain form an answer takes",
+    "12\u200b": "invisible or direction character (U+200B)",
+    "\u202e21": "invisible or direction character (U+202E)",
+    "\u22125": "Unicode minus (U+2212)",
+    "\u216b": "is not a number this scorer extracts",  # a Roman numeral twelve
+    "\u5341\u4e8c": "is not a number this scorer extracts",  # twelve in CJK numerals
+    "1/2": "is not a number this scorer extracts",
+    " 7": "invisible or direction character (U+0020)",
+}
+
+
+def test_ground_truths_the_scorer_can_never_match_are_quarantined_with_the_reason():
+    """The gsm8k scorer (arith's) compares the number it extracts with the ground truth: these never match any
+    well-formed answer, so each row is quarantined naming why and what to write; the others are kept."""
+    rows = [{**good(i), "reward_model": {"ground_truth": t}} for i, t in enumerate(UNMATCHABLE)]
+    rows += [
+        {**good(50 + i), "reward_model": {"ground_truth": t}} for i, t in enumerate(["-3", "2.5", "0", "١٢"])
+    ]
+    kept, quarantined = clean_rows(pd.DataFrame(rows), TOK, RULES, "x")
+    assert [r["reward_model"]["ground_truth"] for r in kept] == ["-3", "2.5", "0", "12"]
+    assert len(quarantined) == len(UNMATCHABLE) and len(kept) + len(quarantined) == len(rows)
+    for q, (truth, why) in zip(quarantined, UNMATCHABLE.items()):
+        assert (q["reason"], q["column"]) == ("unmatchable_truth", "reward_model.ground_truth"), q
+        assert q["detail"].startswith("the gsm8k scorer can never match this ground truth: it "), q
+        assert why in q["detail"], (truth, q["detail"])
+
+
+def test_a_custom_reward_or_a_mapped_scorer_decides_which_truths_match():
+    from components.rewards.registry import ScorerChoice
+
+    rows = [{**good(0), "reward_model": {"ground_truth": "1,234"}}]
+    custom = RowRules(max_prompt_len=16, scorers=ScorerChoice(custom=True))  # its own normalisation: kept
+    assert len(clean_rows(pd.DataFrame(rows), TOK, custom, "x")[0]) == 1
+    code = RowRules(max_prompt_len=16, scorers=ScorerChoice(sources=(("arith", "code"),)))
+    bad_tests = [
+        {**good(0), "reward_model": {"ground_truth": "not json"}},
+        {**good(1), "reward_model": {"ground_truth": '["import os"]'}},
+        {**good(2), "reward_model": {"ground_truth": '["assert f(1) == 2"]'}},
+    ]
+    kept, quarantined = clean_rows(pd.DataFrame(bad_tests), TOK, code, "x")
+    assert len(kept) == 1 and [q["reason"] for q in quarantined] == ["unmatchable_truth"] * 2
+    assert "is not a JSON list of tests" in quarantined[0]["detail"]
+    assert "is not one `assert <expression>`" in quarantined[1]["detail"]

@@ -46,3 +46,20 @@ def test_score_batch_counts_invalid_and_names_failing_sample():
             score_with_config(["x"], ["1"], ["unknown"], [{}], cfg)
     finally:
         REWARDS.pop("test/nan"), REWARDS.pop("test/raise")
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "expected"),
+    [
+        ("#### 1,2", "12", 0.0),  # a comma that is no thousands separator: malformed, not 12
+        ("#### 12,34", "1234", 0.0),
+        ("#### 1,234", "1234", 1.0),  # a real thousands separator
+        ("#### -1,234,567.5", "-1234567.5", 1.0),
+        ("the answer is 1,2", "12", 0.0),
+    ],
+)
+def test_malformed_answers_never_score_as_correct(response, truth, expected):
+    from components.rewards.gsm8k import score
+
+    method = "flexible" if not response.startswith("####") else "strict"
+    assert score(response, truth, method=method) == expected
