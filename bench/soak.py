@@ -40,6 +40,8 @@ from pathlib import Path
 
 import psutil
 
+from bench.paths import paths_under
+
 PROJECT = Path(__file__).resolve().parents[1]
 PIPELINE, FLOW, MODEL = "nightly", "rl-nightly", "reinforge-arith"
 FAULTS = (
@@ -134,14 +136,7 @@ def overrides(root: Path) -> list[str]:
     """The default pipeline's model and SFT (held-out accuracy ~0.3) on less data, under `root`: a night is
     about a minute on 2 cores, the first (data and SFT) a few."""
     return [
-        f"trainer.run_dir={root}",
-        f"data.raw_dir={root}/raw",
-        f"data.train_path={root}/clean/train.parquet",
-        f"data.eval_path={root}/clean/test.parquet",
-        f"data.quarantine_dir={root}/quarantine",
-        f"sft.output_dir={root}/sft",
-        f"actor.model.path={root}/sft",
-        f"trainer.output_dir={root}/out/nightly",
+        *paths_under(root, "out/nightly"),
         "data.num_train=2000",
         "data.num_eval=60",
         "data.batch_size=16",

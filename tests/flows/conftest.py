@@ -75,16 +75,11 @@ def small_overrides(root, iterations=4, backend: str = "local") -> list[str]:
     process (trainer.backend=local: no Ray to start, ~10 CPU-seconds less per run on 2 cores) unless
     `backend` is ray: the tests of what Ray's actors do (the pipeline end to end, dead and hung workers,
     signals, asynchronous engines, several workers) ask for it."""
+    from bench.paths import paths_under
+
     return [
         f"trainer.backend={backend}",
-        f"trainer.run_dir={root}",
-        f"data.raw_dir={root}/raw",
-        f"data.train_path={root}/clean/train.parquet",
-        f"data.eval_path={root}/clean/test.parquet",
-        f"data.quarantine_dir={root}/quarantine",
-        f"sft.output_dir={root}/sft",
-        f"actor.model.path={root}/sft",
-        f"trainer.output_dir={root}/grpo",
+        *paths_under(root),
         "data.num_train=120",
         "data.num_eval=16",
         "data.max_operand=20",

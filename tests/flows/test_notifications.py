@@ -4,46 +4,13 @@ not promote its model. Through the real Prefect server (its triggers and actions
 
 from __future__ import annotations
 
-import http.server
-import json
-import threading
 import time
 
 import pytest
 
+from bench.soak import Receiver
 from components.errors import ConfigError
 from flows.notifications import Notify, announce_not_promoted, configure
-
-
-class Receiver:
-    """A webhook on a loopback port: every POSTed JSON body is kept."""
-
-    def __init__(self):
-        received = self.received = []
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                length = int(self.headers.get("Content-Length", 0))
-                received.append(json.loads(self.rfile.read(length)))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-
-    def wait(self, count: int = 1, timeout_s: float = 120.0) -> list[dict]:
-        deadline = time.monotonic() + timeout_s
-        while len(self.received) < count and time.monotonic() < deadline:
-            time.sleep(0.5)
-        return self.received
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture()
