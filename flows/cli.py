@@ -34,6 +34,22 @@ def start_ray_checking_config(args: argparse.Namespace) -> int:
     return failed
 
 
+def given_inputs(args: argparse.Namespace) -> int:
+    """What a flow command was given that is wrong before anything is read: a key given twice among its
+    overrides, a line break in a value, this checkout's auth file empty or altered. 0, or 2 with the line."""
+    from components.config.loader import check_given
+    from components.env import check_auth
+    from components.errors import ReinforgeError
+    from flows._args import report
+
+    try:
+        check_auth()
+        check_given(getattr(args, "overrides", None) or [])
+    except ReinforgeError as exc:
+        return report(exc, getattr(args, "debug", False))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-V"]):
@@ -66,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     install_signal_handlers()
     from components.gc_pause import collector_paused, freeze_for_exit
 
+    if failed := given_inputs(args):  # a repeated key, a bad auth file: said before any service starts
+        return failed
     if argv[0] in RUN_RAY:  # another run in its output directory, or not ours to write: say so before
         from flows._args import free_to_train  # any service starts
 

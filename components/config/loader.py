@@ -14,6 +14,14 @@ from components.config.schema import Config
 from components.errors import ConfigError
 
 
+def line_break(key: str) -> ConfigError:
+    """An override whose value holds a line break: YAML would fold it into a space, silently."""
+    return ConfigError(
+        f"override `{key.strip()}`: its value holds a line break, which YAML would turn into a space; "
+        'give it on one line (write a line break as \\n inside double quotes: key="a\\nb")'
+    )
+
+
 def check_given(items: Iterable[str], where: str = "on the command line") -> list[str]:
     """Overrides as a user gave them (`where`): a list of key=value strings, each key once (a config file
     refuses a repeated key too: which one was meant?). Returns them. The flows layer their own defaults in
@@ -25,7 +33,10 @@ def check_given(items: Iterable[str], where: str = "on the command line") -> lis
         )
     given: dict[str, str] = {}
     for item in items:
-        key = item.partition("=")[0].strip()
+        key, _, raw = item.partition("=")
+        key = key.strip()
+        if "\n" in raw or "\r" in raw:
+            raise line_break(key)
         if key in given:
             raise ConfigError(
                 f"override `{key}` is given twice {where} (`{given[key]}` and `{item}`); give it once"
@@ -42,11 +53,8 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override `{item}` is not key=value (e.g. algorithm.beta=0.1)")
-        if "\n" in raw or "\r" in raw:  # YAML would fold the line break into a space
-            raise ConfigError(
-                f"override `{key.strip()}`: its value holds a line break, which YAML would turn into a space; "
-                'give it on one line (write a line break as \\n inside double quotes: key="a\\nb")'
-            )
+        if "\n" in raw or "\r" in raw:
+            raise line_break(key)
         node = tree
         parts = key.strip().split(".")
         for part in parts[:-1]:

@@ -13,7 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from components.locking import exclusive
-from tests.flows.conftest import sft_ready
+from tests.flows.conftest import merged, sft_ready
 
 pytestmark = pytest.mark.slow
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "arith_grpo.yaml")
@@ -53,7 +53,7 @@ def test_fewer_iterations_than_a_finished_run_stops_and_writes_nothing(trained, 
 
     root, ov, info = trained
     before, view = snapshot(root / "grpo"), mlflow_view(root, info["run_id"])
-    assert main(["--config", CONFIG, *ov, "trainer.iterations=1"]) == 2
+    assert main(["--config", CONFIG, *merged(ov, ["trainer.iterations=1"])]) == 2
     err = capsys.readouterr().err
     assert "trainer.iterations=1 is fewer than the 2 iterations checkpoint" in err and "iter_000002" in err
     assert "trainer.resume_mode=disable" in err and "Traceback" not in err

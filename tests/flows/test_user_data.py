@@ -59,7 +59,6 @@ def overrides(root: Path, *extra: str) -> list[str]:
     """The user's project as a run's overrides; its workers in this process (trainer.backend=local) unless
     `extra` says ray (what these tests check is the driver's); a key of `extra` replaces the default's (a
     command line gives each key once)."""
-    given = {e.split("=", 1)[0] for e in extra}
     defaults = [
         "trainer.backend=local",
         f"trainer.run_dir={root}",
@@ -82,7 +81,7 @@ def overrides(root: Path, *extra: str) -> list[str]:
         "reward_model.method=flexible",
         "reward_model.format_score=0.1",
     ]
-    return [d for d in defaults if d.split("=", 1)[0] not in given] + list(extra)
+    return merged(defaults, extra)
 
 
 def no_runs(root: Path) -> bool:
