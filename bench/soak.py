@@ -347,9 +347,11 @@ class Soak:
     # -- what the night left ----------------------------------------------------------------------------------
 
     def checkpoint_bytes(self) -> int:
+        from components.tracking.checkpoints import tree_bytes
+
         run = self.run_dir()
         found = sorted(run.glob("checkpoints/iter_*")) if run else []
-        return sum(p.stat().st_size for p in found[-1].rglob("*") if p.is_file()) if found else 4 * 2**20
+        return tree_bytes(found[-1]) if found else 4 * 2**20
 
     def checkpoints_whole(self) -> bool:
         """Every checkpoint of every run verifies, and `latest` names one of them (or there is none yet)."""

@@ -25,6 +25,12 @@ def _tcp(host: str, port: int, timeout_s: float) -> str | None:
         return exc.strerror or type(exc).__name__
 
 
+def _unanswered(exc: Exception) -> str:
+    """Why a URL did not answer, as urllib's error says it (connection refused, a timeout, a bad URL)."""
+    reason = getattr(exc, "reason", exc)
+    return getattr(reason, "strerror", None) or str(reason)
+
+
 def _http(url: str, timeout_s: float) -> str | None:
     """None when `url` answers (any HTTP status) within the timeout, else why not."""
     try:
@@ -33,8 +39,7 @@ def _http(url: str, timeout_s: float) -> str | None:
     except urllib.error.HTTPError:
         return None  # it answered
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return getattr(reason, "strerror", None) or str(reason)
+        return _unanswered(exc)
 
 
 def ray_problem(address: str, timeout_s: float) -> str | None:
@@ -193,8 +198,7 @@ def _http_json(url: str, timeout_s: float) -> tuple[object, str | None]:
     except urllib.error.HTTPError as exc:
         return None, f"it answered HTTP {exc.code}"
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return None, getattr(reason, "strerror", None) or str(reason)
+        return None, _unanswered(exc)
     try:
         return json.loads(body), None
     except ValueError:

@@ -65,13 +65,13 @@ def checked_config(path: str, overrides: list[str], debug: bool = False):
 def free_to_train(path: str, overrides: list[str], pipeline: str | None, debug: bool = False) -> int:
     """Before Prefect's server or Ray starts (a fraction of a second, no torch): the config parses, the training
     output directory is ours to write, and no other run holds its lock (nor, for a pipeline, the pipeline's).
-    0 when free; 2 with the one line printed."""
-    from components.config.loader import check_given, load_config
+    0 when free; 2 with the one line printed. The overrides were checked as given already (flows.cli)."""
+    from components.config.loader import load_config
     from components.locking import check_free, pipeline_lock, training_lock
     from components.outputs import TRAIN_OUTPUT, check_output
 
     try:
-        cfg = load_config(path, check_given(overrides))
+        cfg = load_config(path, overrides)
         t = cfg.trainer
         output = check_output(t.output_dir, "trainer.output_dir", TRAIN_OUTPUT, t.run_dir)
         if pipeline is not None:

@@ -62,10 +62,7 @@ def register(cfg: Config, name: str, info: dict, acc: float) -> dict:
     return decision
 
 
-NIGHTLY = "rl-nightly"
-
-
-@flow(name=NIGHTLY)
+@flow(name="rl-nightly")
 @one_line_errors
 def nightly_flow(
     config: str = "configs/arith_grpo.yaml",

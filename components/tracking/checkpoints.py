@@ -110,7 +110,7 @@ def save_checkpoint(
         _fsync_tree(tmp)
         replace_dir(tmp, final)
     except BaseException as exc:
-        written = _tree_bytes(tmp)
+        written = tree_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         if no_space(exc):
             raise _full_disk(root, final, written) from None
@@ -124,7 +124,8 @@ def save_checkpoint(
     return final
 
 
-def _tree_bytes(root: Path) -> int:
+def tree_bytes(root: Path) -> int:
+    """The bytes of the files under `root` (0 when it is not a directory)."""
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
 
 
@@ -132,7 +133,7 @@ def _full_disk(root: Path, ckpt: Path, written: int) -> OutputError:
     """One line: where, how much room there is, how much a checkpoint of this run takes, what was kept."""
     mib = 2**20
     previous = pointer_target(root)
-    needed = max(written, _tree_bytes(previous) if previous else 0)
+    needed = max(written, tree_bytes(previous) if previous else 0)
     free = shutil.disk_usage(root).free
     kept = f"`latest` still names {previous.name}" if previous else "no earlier checkpoint exists"
     return OutputError(

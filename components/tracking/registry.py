@@ -110,18 +110,19 @@ def find_champion(
         return None, f"{why}; no version has a finite recorded {ACC}"
     pool = [r for r in usable if r.eval_set == eval_set] or usable
     best = max(pool, key=lambda r: (r.acc, -int(r.version)))
-    return best, f"{why}; {RECOVERED} {best.version}, the best finite recorded {ACC}"
+    return best, f"{why}; recovered as version {best.version}, the best finite recorded {ACC}"
 
 
-RECOVERED = "recovered as version"  # in find_champion's account of a champion it did not find by the alias
-
-
-def decide(acc: float, champ: Recorded | None, champ_acc: float | None, found: str) -> dict:
+def decide(
+    acc: float, champ: Recorded | None, champ_acc: float | None, found: str, alias_version: str | None
+) -> dict:
     """The candidate's alias and why: `champion` only for a finite `acc` that beats the champion's `champ_acc`
     (measured on the candidate's evaluation set; a non-finite one is beaten by any finite figure), or with no
-    champion at all; else `challenger`. A champion recovered from the records (`found`) that keeps its title
-    takes the alias back (`restore_champion`), so `models:/<name>@champion` serves it again."""
-    kept = {"restore_champion": champ.version} if champ is not None and RECOVERED in found else {}
+    champion at all; else `challenger`. A champion that is not the version the alias names (`alias_version`:
+    recovered from the records, as `found` says) and keeps its title takes the alias back (`restore_champion`),
+    so `models:/<name>@champion` serves it again."""
+    recovered = champ is not None and champ.version != alias_version
+    kept = {"restore_champion": champ.version} if recovered else {}
     if not math.isfinite(acc):
         reason = f"its held-out acc is {acc}: a non-finite metric never promotes"
         return {"alias": CHALLENGER, "reason": reason, "champion_found": found, **kept}
@@ -159,10 +160,11 @@ def register_candidate(
     except MlflowException:
         pass  # already exists
     versions = [Recorded.of(mv) for mv in client.search_model_versions(f"name='{name}'")]
-    champ, found = find_champion(name, alias_target(client, name), versions, eval_set)
+    alias = alias_target(client, name)
+    champ, found = find_champion(name, alias, versions, eval_set)
     measured_now = champ is not None and champ.eval_set != eval_set
     champ_acc = (measure(champ.version) if measured_now else champ.acc) if champ is not None else None
-    decision = decide(acc, champ, champ_acc, found)
+    decision = decide(acc, champ, champ_acc, found, alias)
     if champ is not None:
         decision["champion_acc_measured_now"] = measured_now
     version = client.create_model_version(

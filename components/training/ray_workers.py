@@ -67,9 +67,8 @@ class Actors:
         try:
             return self.transport.get(refs, self.timeout_s)
         except self.transport.task_error as exc:
-            if isinstance(
-                exc.cause, ReinforgeError
-            ):  # our message (a diverged update, a bad reward), not Ray's
+            # our own message (a diverged update, a bad reward), not Ray's wrapper around it
+            if isinstance(exc.cause, ReinforgeError):
                 raise exc.cause from None
             # a collective whose peer died (its node lost) fails on the survivors too, "connection closed by
             # peer", and Ray raises the first failure in the list: the death is the cause, and what the flow

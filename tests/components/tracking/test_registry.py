@@ -204,7 +204,7 @@ def test_a_dangling_alias_with_nothing_finite_to_recover_from_is_refused_in_one_
     ],
 )
 def test_the_gate_decides_each_case(acc, champ, champ_acc, alias, reason):
-    decision = decide(acc, champ, champ_acc, "how")
+    decision = decide(acc, champ, champ_acc, "how", champ.version if champ else None)  # the alias's
     assert decision["alias"] == alias and reason in decision["reason"]
 
 
@@ -235,8 +235,10 @@ def test_a_recovered_champion_that_keeps_its_title_takes_the_alias_back():
     recovered = (
         "no version holds the champion alias; recovered as version 2, the best finite recorded eval_acc"
     )
-    kept = decide(0.4, rec(2, 0.5), 0.5, recovered)
+    kept = decide(0.4, rec(2, 0.5), 0.5, recovered, None)
     assert kept["alias"] == CHALLENGER and kept["restore_champion"] == "2"
-    assert "restore_champion" not in decide(0.6, rec(2, 0.5), 0.5, recovered)  # beaten: the candidate has it
-    assert "restore_champion" not in decide(0.4, rec(2, 0.5), 0.5, "the champion alias")  # never lost it
-    assert decide(NAN, rec(2, 0.5), 0.5, recovered)["restore_champion"] == "2"
+    assert "restore_champion" not in decide(
+        0.6, rec(2, 0.5), 0.5, recovered, None
+    )  # beaten: the candidate has it
+    assert "restore_champion" not in decide(0.4, rec(2, 0.5), 0.5, "the champion alias", "2")  # never lost it
+    assert decide(NAN, rec(2, 0.5), 0.5, recovered, "7")["restore_champion"] == "2"  # the alias dangled
