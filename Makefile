@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  (apt-get install -y -q bubblewrap >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q bubblewrap)); } || \
 	  echo "note: bubblewrap (bwrap) is not installed; the code reward will refuse to run. Install it: apt-get install -y bubblewrap"
+	@echo "make: creating $(VENV) and installing torch and the project into it (a few minutes, quietly)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
@@ -36,6 +37,8 @@ bytecode: $(STAMP)
 # whose outputs are already in the DVC remote (another checkout pushed them) takes them instead of running;
 # the outputs are pushed after, for the next checkout.
 run: $(STAMP) bytecode
+	@echo "make: dvc repro: each stage takes its outputs from the DVC remote when a run pushed them there, and runs"
+	@echo "      otherwise; on the first run the remote is empty (DVC's 'Unable to pull data' warnings say so)"
 	$(VENV)/bin/dvc repro --pull dvc.yaml
 	$(VENV)/bin/dvc push -q dvc.yaml
 	$(VENV)/bin/dvc metrics show metrics/eval.json
@@ -64,4 +67,4 @@ test-fast: $(STAMP) bytecode
 
 # what the pipeline and the runs wrote; never a tracked file (dvc.lock and metrics/*.json are committed)
 clean:
-	rm -rf data/raw data/clean data/quarantine data/multimodal checkpoints mlruns.db mlartifacts .prefect-results
+	rm -rf data/raw data/clean data/quarantine data/multimodal checkpoints mlflow.db mlruns .prefect-results

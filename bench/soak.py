@@ -189,7 +189,7 @@ class Soak:
         self.root = root
         self.receiver = Receiver()
         self.server = PrefectServer(root / "prefect")
-        self.tracking = f"sqlite:///{root}/mlruns.db"
+        self.tracking = f"sqlite:///{root}/mlflow.db"
         self.out = root / "out"
         self.ov = overrides(root)
         self.tmpfs = False

@@ -7,6 +7,7 @@ import os
 import re
 import secrets
 import stat
+import sys
 from pathlib import Path
 
 from components.errors import ConfigError
@@ -43,6 +44,29 @@ def checkout_root() -> Path:
     experiment was started from. Anything else: this package's checkout."""
     root = os.environ.get("DVC_ROOT")
     return Path(root).resolve() if root else PROJECT_ROOT
+
+
+# MLflow's own default store and artifact root (a tool run in the checkout with no MLFLOW_TRACKING_URI, such as
+# `mlflow ui` or mlflow.pyfunc.load_model, opens the same runs); mlruns.db is the name this project used before
+MLFLOW_STORE, MLFLOW_ARTIFACTS, OLD_STORE = "mlflow.db", "mlruns", "mlruns.db"
+
+
+def default_tracking_uri(root: Path | None = None) -> str:
+    """MLFLOW_TRACKING_URI, else the SQLite store of the checkout (checkout_root): a DVC experiment trained in
+    a temporary copy logs to the store of the checkout it was started from."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(root or checkout_root()) / MLFLOW_STORE}"
+
+
+def adopt_old_store(root: Path) -> None:
+    """A checkout whose runs are in OLD_STORE (and none in MLFLOW_STORE) has it renamed, once, so its runs stay
+    where every tool looks (their artifacts are recorded by absolute path and do not move)."""
+    old, new = root / OLD_STORE, root / MLFLOW_STORE
+    if not os.environ.get("MLFLOW_TRACKING_URI") and old.is_file() and not new.exists():
+        try:
+            os.replace(old, new)
+        except OSError:
+            return  # a read-only checkout: the runs stay in the old store, which the URI no longer names
+        print(f"reinforge: moved {old} to {new} (MLflow's own default store name)", file=sys.stderr)
 
 
 def dvc_experiment() -> dict[str, str]:
@@ -158,3 +182,4 @@ def apply_defaults() -> None:
     os.umask(os.umask(0o077) | 0o077)
     for key, value in {**DEFAULTS, **local_defaults()}.items():
         os.environ.setdefault(key, value)
+    adopt_old_store(checkout_root())

@@ -1,9 +1,12 @@
-"""A non-blocking file lock so that two runs of one pipeline never train at once."""
+"""File locks: a training run holds its own run directory's (two runs never write one run), a pipeline (the
+nightly) its own; the output directory's is held only while a run picks its run directory, so runs of one
+output directory never block or refuse each other."""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,9 +18,16 @@ class AlreadyRunning(ReinforgeError):
 
 
 def training_lock(output_dir: str | Path) -> Path:
-    """The lock one training in `output_dir` holds: `.<name>.lock` beside it."""
+    """The lock a training holds while it picks its run directory in `output_dir`: `.<name>.lock` beside it."""
     out = Path(output_dir)
     return out.parent / f".{out.name}.lock"
+
+
+def run_lock(run_dir: str | Path) -> Path:
+    """The lock the training that writes `run_dir` (<output>/runs/<id>) holds: <output>/.locks/<id>.lock, out
+    of the run directories (and of what DVC tracks)."""
+    run = Path(run_dir)
+    return run.parent.parent / ".locks" / f"{run.name}.lock"
 
 
 def pipeline_lock(output_dir: str | Path) -> Path:
@@ -27,16 +37,33 @@ def pipeline_lock(output_dir: str | Path) -> Path:
     return out.parent / f".{out.name}.lock.pipeline"
 
 
-def _take(fd: int, p: Path, what: str) -> None:
-    """flock `fd` without waiting; AlreadyRunning naming the holder's pid if another process has it."""
+def _take(fd: int, p: Path, what: str, wait_s: float = 0.0) -> None:
+    """flock `fd`, waiting up to `wait_s` for it; AlreadyRunning naming the holder's pid if another process
+    still has it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+    waited = f" for {wait_s:g} s" if wait_s else ""
+    raise AlreadyRunning(
+        f"{what} is already running (pid {holder}, lock {p}{waited}); this run exits without "
+        "training. Wait for it to finish."
+    ) from None
+
+
+def is_held(path: str | Path) -> bool:
+    """Whether another process holds the lock at `path` now (nothing is created or written)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        raise AlreadyRunning(
-            f"{what} is already running (pid {holder}, lock {p}); this run exits without "
-            "training. Wait for it to finish."
-        ) from None
+        check_free(path, "")
+    except AlreadyRunning:
+        return True
+    return False
 
 
 def check_free(path: str | Path, what: str) -> None:
@@ -53,16 +80,33 @@ def check_free(path: str | Path, what: str) -> None:
         os.close(fd)  # and the probe's lock with it
 
 
+class Held:
+    """A lock this process holds until release() (or its exit: the kernel drops an flock with its file)."""
+
+    def __init__(self, path: str | Path, what: str, wait_s: float = 0.0):
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            _take(self.fd, p, what, wait_s)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 @contextmanager
-def exclusive(path: str | Path, what: str):
-    """Hold an flock on `path` for the block; AlreadyRunning (naming the holder's pid) if taken."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+def exclusive(path: str | Path, what: str, wait_s: float = 0.0):
+    """Hold an flock on `path` for the block, waiting up to `wait_s` for it; AlreadyRunning (naming the
+    holder's pid) if it stays taken."""
+    held = Held(path, what, wait_s)
     try:
-        _take(fd, p, what)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
-        os.close(fd)
+        held.release()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from components.algorithms.shaping import KLController
 from components.config import Config
 from components.data.sampler import PromptSampler
+from components.locking import Held
 from components.plan import RunPlan
 from components.rollout.ahead import AheadQueue
 from components.services import PrefectWatch
@@ -47,6 +48,7 @@ class Run:
     # this process's start-up instants (time.time()), logged as timing_s/startup/* with its first iteration
     marks: dict[str, float] = field(default_factory=dict)
     watch: PrefectWatch | None = None  # whether the Prefect server still answers
+    lock: Held | None = None  # the run directory's, held from its start to its end
 
     def stop_if_prefect_died(self) -> None:
         """A dead Prefect server stops the run (the checkpoint before it intact), rather than training on

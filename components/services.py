@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
+from components.env import default_tracking_uri
 from components.errors import ServiceError
 
 
@@ -168,14 +169,6 @@ def sqlite_store_problem(uri: str, timeout_s: float) -> str | None:
     return None
 
 
-def tracking_uri() -> str:
-    """MLFLOW_TRACKING_URI, else the checkout's SQLite store (as components.tracking.mlflow_tracker resolves it,
-    without importing MLflow)."""
-    from components.env import checkout_root
-
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{checkout_root() / 'mlruns.db'}"
-
-
 def mlflow_problem(uri: str, timeout_s: float) -> str | None:
     if uri.startswith("sqlite:///"):
         return sqlite_store_problem(uri, timeout_s)
@@ -185,7 +178,7 @@ def mlflow_problem(uri: str, timeout_s: float) -> str | None:
     if why:
         return (
             f"MLFLOW_TRACKING_URI={uri}: no MLflow server answers there ({why}, within {timeout_s:g} s). Start "
-            "it (`mlflow server`), fix the URI, or unset MLFLOW_TRACKING_URI to log to mlruns.db here."
+            "it (`mlflow server`), fix the URI, or unset MLFLOW_TRACKING_URI to log to mlflow.db here."
         )
     return None
 
@@ -240,7 +233,7 @@ def check_services(timeout_s: float = 15.0, ray: bool = True) -> None:
         if os.environ.get(name) and name not in own
     ]
     if not os.environ.get("MLFLOW_TRACKING_URI"):  # the embedded store: there, but broken or held
-        problems.append(mlflow_problem(tracking_uri(), timeout_s))
+        problems.append(mlflow_problem(default_tracking_uri(), timeout_s))
     problems = [p for p in problems if p]
     if problems:
         raise ServiceError("\n  ".join(problems))

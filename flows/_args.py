@@ -64,10 +64,11 @@ def checked_config(path: str, overrides: list[str], debug: bool = False):
 
 def free_to_train(path: str, overrides: list[str], pipeline: str | None, debug: bool = False) -> int:
     """Before Prefect's server or Ray starts (a fraction of a second, no torch): the config parses, the training
-    output directory is ours to write, and no other run holds its lock (nor, for a pipeline, the pipeline's).
-    0 when free; 2 with the one line printed. The overrides were checked as given already (flows.cli)."""
+    output directory is ours to write, and, for a pipeline, no other run of it holds the pipeline's lock (a
+    training never waits on another: each has a run directory of its own, components/locking.py). 0 when
+    free; 2 with the one line printed. The overrides were checked as given already (flows.cli)."""
     from components.config.loader import load_config
-    from components.locking import check_free, pipeline_lock, training_lock
+    from components.locking import check_free, pipeline_lock
     from components.outputs import TRAIN_OUTPUT, check_output
 
     try:
@@ -76,7 +77,6 @@ def free_to_train(path: str, overrides: list[str], pipeline: str | None, debug: 
         output = check_output(t.output_dir, "trainer.output_dir", TRAIN_OUTPUT, t.run_dir)
         if pipeline is not None:
             check_free(pipeline_lock(output), f"pipeline {pipeline}")
-        check_free(training_lock(output), f"a training run in {output}")
     except ReinforgeError as exc:
         return report(exc, debug)
     return 0
@@ -109,12 +109,18 @@ def _scalars(result: dict, prefix: str = "") -> list[tuple[str, object]]:
                 out += _scalars(value, f"{prefix}{key}.")
         elif not isinstance(value, list | tuple):
             out.append((f"{prefix}{key}", value))
+        elif len(value) <= SHOWN_NESTED and all(isinstance(v, dict) for v in value):
+            for i, item in enumerate(value):  # the clean stage's report of each file
+                out += _scalars(item, f"{prefix}{key}[{i}].")
+        elif len(value) <= SHOWN_NESTED and not any(isinstance(v, dict | list | tuple) for v in value):
+            out.append((f"{prefix}{key}", ", ".join(map(str, value))))  # the files a stage wrote
     return out
 
 
 def summary(result: object) -> str:
     """A stage's result for a person: its scalars, those of small nested dicts by their dotted key
-    (`final.acc`), a line each, timestamps as dates (lists and large dicts are behind --json)."""
+    (`final.acc`) and of short lists (`clean[0].kept`, the files written), a line each, timestamps as dates
+    (long lists and large dicts are behind --json)."""
     if not isinstance(result, dict):
         return str(result)
     scalars = _scalars(result)

@@ -11,12 +11,11 @@ import sys
 from prefect import flow
 
 from components.data.io import write_json
-from components.errors import ConfigError
 from components.progress import progress_bar
 from components.tracking import runs
 from components.validate import load_checked
 from flows import parsers
-from flows._args import check_config, report, run_cli
+from flows._args import check_config, run_cli
 from flows._logs import one_line_errors
 from tasks.caching import run_stage
 from tasks.evaluate import evaluate_model, write_eval
@@ -76,9 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parsers.evaluate().parse_args(argv)
     if check_config(a.config, a.overrides, a.debug):
         return 2
-    if a.model_path:
-        if not a.eval_data:
-            return report(ConfigError("--model_path needs --eval_data FILE (a held-out parquet)"))
+    if a.model_path:  # with --eval_data: the parser said so otherwise
         return run_cli(
             evaluate_one_flow,
             a.model_path,

@@ -36,9 +36,9 @@ def number(kind: type, low: float, high: float, what: str) -> Callable[[str], fl
     return parse
 
 
-def config_parser(prog: str, description: str) -> argparse.ArgumentParser:
+def config_parser(prog: str, description: str, cls: type[Parser] = Parser) -> argparse.ArgumentParser:
     """A stage that reads a config: --config, --debug, --json and key=value overrides."""
-    p = Parser(prog=prog, description=description)
+    p = cls(prog=prog, description=description)
     p.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config file (default: %(default)s)")
     p.add_argument(
         "--debug", action="store_true", help="show the traceback of an error, not only its message"
@@ -93,10 +93,22 @@ def train() -> argparse.ArgumentParser:
     )
 
 
+class _Evaluate(Parser):
+    """`reinforge evaluate`: --model_path needs --eval_data, said before any import."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        if parsed.model_path and not parsed.eval_data:
+            self.error("--model_path needs --eval_data FILE (a held-out parquet or jsonl)")
+        return parsed
+
+
 def evaluate() -> argparse.ArgumentParser:
-    p = config_parser("reinforge evaluate", "Evaluate held-out accuracy (greedy acc, mean@k, pass@k).")
-    p.add_argument("--model_path", help="evaluate this model directory alone")
-    p.add_argument("--eval_data", help="held-out parquet/jsonl (with --model_path)")
+    p = config_parser(
+        "reinforge evaluate", "Evaluate held-out accuracy (greedy acc, mean@k, pass@k).", cls=_Evaluate
+    )
+    p.add_argument("--model_path", help="evaluate this model directory alone (needs --eval_data)")
+    p.add_argument("--eval_data", help="held-out parquet/jsonl: required with --model_path")
     p.add_argument(
         "--output",
         help="the JSON file the metrics go to (default: metrics/eval.json for the SFT-vs-final comparison; "

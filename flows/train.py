@@ -16,8 +16,6 @@ from pathlib import Path
 
 from prefect import flow
 
-from components.locking import exclusive, training_lock
-from components.outputs import TRAIN_OUTPUT, check_output
 from components.plan import make_plan
 from components.progress import Timer, console, iteration_line, progress_bar, resume_hint, startup_metrics
 from components.rewards.registry import scorer_names
@@ -290,21 +288,20 @@ def train_flow(
     try:
         tokenizer = check_inputs(cfg, plan.algorithm.needs_critic)
         rows = load_datasets(cfg, tokenizer)
-        output = check_output(cfg.trainer.output_dir, "trainer.output_dir", TRAIN_OUTPUT, cfg.trainer.run_dir)
-        with exclusive(training_lock(output), f"a training run in {output}"):
-            run = open_run(cfg, plan, tokenizer, rows, pipeline, pipeline_version)
-            run.marks = {**startup, "prefect": entered} if startup else {}
-            try:
-                with (
-                    on_stop("mlflow", lambda: run.tracker.end("KILLED")),
-                    on_stop("workers", run.stop_workers),
-                ):
-                    return train(run, starting, started)
-            except BaseException:
-                run.tracker.end("KILLED" if stopping() else "FAILED")
-                raise
-            finally:
-                run.stop_workers()
+        run = open_run(cfg, plan, tokenizer, rows, pipeline, pipeline_version)  # its run directory, locked
+        run.marks = {**startup, "prefect": entered} if startup else {}
+        try:
+            with (
+                on_stop("mlflow", lambda: run.tracker.end("KILLED")),
+                on_stop("workers", run.stop_workers),
+            ):
+                return train(run, starting, started)
+        except BaseException:
+            run.tracker.end("KILLED" if stopping() else "FAILED")
+            raise
+        finally:
+            run.stop_workers()
+            run.lock.release()
     finally:
         starting.drop()  # workers no run took (bad inputs, nothing to train, another run holds the lock)
 

@@ -26,7 +26,7 @@ if $PY -c "import vllm" 2>/dev/null; then
       sft.steps=100 trainer.iterations=3 trainer.test_interval=3 trainer.save_interval=3 trainer.progress=false
       engine.type=vllm trainer.rollout_placement=separate engine.num_gpus=0.4 engine.gpu_memory_utilization=0.3
       engine.health_check=true "trainer.worker_resources={\"CPU\": 1, \"GPU\": 0.5}")
-  export MLFLOW_TRACKING_URI=sqlite:///$run/mlruns.db
+  export MLFLOW_TRACKING_URI=sqlite:///$run/mlflow.db
   ( $PY -m flows.data "${ov[@]}" >/dev/null && $PY -m flows.sft "${ov[@]}" >/dev/null &&
     timeout 300 $PY -m flows.train "${ov[@]}" | tail -n 9 ) || { echo '{"grpo_with_vllm": "failed"}'; status=1; }
   rm -rf "$run"

@@ -48,7 +48,7 @@ shot mlflow_run "$m/#/experiments/$exp/runs/$experiment?$ml"
 shot mlflow_model "$m/#/experiments/$exp/models/$model?$ml"
 
 # Prefect and the registry: two nightlies (the second with a KL loss) on a Prefect server of their own
-export MLFLOW_TRACKING_URI=sqlite:///$demo/mlruns.db PREFECT_HOME=$demo/prefect
+export MLFLOW_TRACKING_URI=sqlite:///$demo/mlflow.db PREFECT_HOME=$demo/prefect
 export PREFECT_API_URL=http://127.0.0.1:4310/api
 prefect server start --port 4310 >"$demo/prefect.log" 2>&1 &
 servers+=($!)

@@ -8,6 +8,7 @@ from pathlib import Path
 from prefect import task
 
 from components.config import Config
+from components.config.checks import check_contained
 from components.config.stages import STAGES
 from components.data.clean import RowRules, clean_file, row_key, validate_file
 from components.data.formats import ROW_SCHEMA, arithmetic_rows, gsm8k_splits, row_schema
@@ -19,9 +20,16 @@ from tasks.caching import StageCache, cached_stage
 from tasks.common import logger, stage
 
 
+def raw_file(raw_dir: str | Path, split: str) -> Path:
+    """data.raw_dir's file of a split (train, test): `<split>.parquet`, or a user's `<split>.jsonl` when only
+    that is there (docs/data.md)."""
+    parquet, jsonl = Path(raw_dir) / f"{split}.parquet", Path(raw_dir) / f"{split}.jsonl"
+    return jsonl if jsonl.exists() and not parquet.exists() else parquet
+
+
 def _raw_files(inputs: dict) -> list[str]:
-    raw = Path(inputs["cfg"].data.raw_dir)
-    return [str(raw / "train.parquet"), str(raw / "test.parquet")]
+    raw = inputs["cfg"].data.raw_dir
+    return [str(raw_file(raw, "train")), str(raw_file(raw, "test"))]
 
 
 def _clean_outputs(inputs: dict) -> list[str]:
@@ -122,6 +130,7 @@ def prepare_data(cfg: Config) -> list[str]:
     """Write data.raw_dir/{train,test}.parquet: the arithmetic task, or an import of data.gsm8k_path (with
     data.gsm8k_test_path, or a seeded held-out split of it)."""
     d = cfg.data
+    check_contained(cfg, "data.raw_dir")  # what it writes (clean only reads it)
     raw = Path(d.raw_dir)
     schema = ROW_SCHEMA
     if d.task == "visual_count" or d.llava_path:
@@ -177,9 +186,12 @@ def clean_data(cfg: Config) -> list[dict]:
     rows whose prompt is a training prompt are quarantined (`in_train`)."""
     d = cfg.data
     tokenizer, rules = data_tokenizer(cfg), RowRules.from_config(cfg, data_image_tokens(cfg))
-    raw = Path(d.raw_dir)
+    check_contained(cfg, "data.train_path", "data.eval_path")  # what it writes (a run only reads them)
     reports, train_keys = [], None
-    for src, dst in ((raw / "train.parquet", d.train_path), (raw / "test.parquet", d.eval_path)):
+    for src, dst in (
+        (raw_file(d.raw_dir, "train"), d.train_path),
+        (raw_file(d.raw_dir, "test"), d.eval_path),
+    ):
         r = clean_file(src, dst, d.quarantine_dir, tokenizer, rules, train_keys)
         logger().info(
             "%s: %d rows in, %d kept, %d quarantined %s -> %s",

@@ -18,7 +18,7 @@ from components.plan import make_plan
 from components.rewards.registry import score_batch, scorers_for
 from components.rollout.worker import RolloutWorker
 from components.seeding import derive_seed
-from components.tracking.mlflow_tracker import Tracker, dataset_ref
+from components.tracking.mlflow_tracker import EVALUATION_TAG, Tracker, dataset_ref
 from tasks.caching import StageCache, cached_stage
 from tasks.common import STAGE
 
@@ -87,6 +87,7 @@ def write_eval(results: dict, path: str, tracker_run: dict | None, eval_path: st
                 model_id=tracker_run["model_id"],
                 dataset=dataset_ref(eval_path, file_md5(eval_path)),
             )
+            tracker.tag_model(tracker_run["model_id"], {EVALUATION_TAG: f"linked: eval/* on {eval_path}"})
         tracker.log_artifact(path)
         tracker.end("FINISHED")
     return str(Path(path))

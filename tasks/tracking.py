@@ -16,7 +16,8 @@ from components.data.io import write_atomic
 from components.data.sampler import PromptSampler
 from components.env import dvc_experiment
 from components.lineage import file_md5, model_digest, verify_tracked
-from components.outputs import MODEL, TRAIN_OUTPUT, claim_output
+from components.locking import Held, exclusive, is_held, run_lock, training_lock
+from components.outputs import MODEL, TRAIN_OUTPUT, check_output, claim_output
 from components.plan import RunPlan
 from components.rewards.registry import scorers_for
 from components.rollout.ahead import AheadQueue
@@ -50,11 +51,13 @@ def run_fingerprint(cfg: Config) -> runs.Fingerprint:
 @stage(name="plan-resume")
 def plan_resume(cfg: Config, fp: runs.Fingerprint) -> runs.ResumePlan:
     """Which run directory this training writes and which verified checkpoint it continues
-    (components/tracking/runs.py); a corrupt checkpoint is passed over, named in the log, for the last good
-    one. Raises before anything is written when there is nothing to train."""
+    (components/tracking/runs.py), passing over a run another process trains now; a corrupt checkpoint is
+    passed over, named in the log, for the last good one. Raises before anything is written when there is
+    nothing to train."""
     t = cfg.trainer
     resume = runs.plan_run(
-        t.output_dir, fp, t.resume_mode, t.iterations, t.resume_accept_mismatch, t.when_finished
+        *(t.output_dir, fp, t.resume_mode, t.iterations, t.resume_accept_mismatch, t.when_finished),
+        busy=lambda run_dir: is_held(run_lock(run_dir)),
     )
     for note in resume.notes:
         logger().warning("resume: %s", note)
@@ -66,6 +69,25 @@ def plan_resume(cfg: Config, fp: runs.Fingerprint) -> runs.ResumePlan:
             f" (a finished run, extended to {t.iterations} iterations)" if resume.extends else "",
         )
     return resume
+
+
+# how long a run waits for another to finish picking its run directory (reading run.json files and verifying
+# their checkpoints: seconds), before it says which process holds the output directory
+PICK_WAIT_S = 300.0
+
+
+def take_run_dir(cfg: Config, fp: runs.Fingerprint) -> tuple[runs.ResumePlan, Held]:
+    """This run's directory (plan_resume), created and locked for the run: the output directory's lock is held
+    only while the run picks it, so runs of one output directory, finished or training, never block or refuse
+    each other; two never write one run directory (a run directory in training is never continued)."""
+    t = cfg.trainer
+    output = check_output(t.output_dir, "trainer.output_dir", TRAIN_OUTPUT, t.run_dir)
+    with exclusive(training_lock(output), f"a run picking its directory in {output}", wait_s=PICK_WAIT_S):
+        resume = plan_resume(cfg, fp)  # refused (nothing to train): nothing written in the output directory
+        claim_output(output, "trainer.output_dir", TRAIN_OUTPUT, t.run_dir)
+        lock = Held(run_lock(resume.run_dir), f"a training run in {resume.run_dir}")
+        resume.run_dir.mkdir(parents=True, exist_ok=True)
+    return resume, lock
 
 
 def prefect_run_tags() -> dict[str, str]:
@@ -309,16 +331,21 @@ def open_run(cfg: Config, plan: RunPlan, tokenizer, rows: tuple, pipeline: str, 
     """What this training continues (refusing, before anything is written, when there is nothing to train),
     its output directory and its MLflow run, named after what ran (the pipeline or the DVC experiment), the
     preset, the run's fingerprint and when."""
-    t, (train_rows, eval_rows) = cfg.trainer, rows
+    train_rows, eval_rows = rows
     fingerprint = run_fingerprint(cfg)  # config, data, models, reward: what a checkpoint must match to resume
-    resume = plan_resume(cfg, fingerprint)
-    claim_output(t.output_dir, "trainer.output_dir", TRAIN_OUTPUT, t.run_dir)
-    label = pipeline or dvc_experiment().get("name") or "train"
-    run_name = f"{label}-{cfg.algorithm.name}-{fingerprint.digest[:10]}-{datetime.now(UTC):%m%d-%H%M}"
-    tracker = start_run(cfg, pipeline, version, run_name, resume, fingerprint, plan.params)
+    # a data_source no scorer takes stops the run here, before its output is claimed or its MLflow run opened
+    scorers = scorers_for([r["data_source"] for r in train_rows + eval_rows], cfg)
+    resume, lock = take_run_dir(cfg, fingerprint)
+    try:
+        label = pipeline or dvc_experiment().get("name") or "train"
+        run_name = f"{label}-{cfg.algorithm.name}-{fingerprint.digest[:10]}-{datetime.now(UTC):%m%d-%H%M}"
+        tracker = start_run(cfg, pipeline, version, run_name, resume, fingerprint, plan.params)
+    except BaseException:
+        lock.release()
+        raise
     return Run(
         *(cfg, plan, tokenizer, train_rows, eval_rows),
-        scorers=scorers_for([r["data_source"] for r in train_rows + eval_rows], cfg),
+        scorers=scorers,
         resume=resume,
         fingerprint=fingerprint,
         tracker=tracker,
@@ -327,4 +354,5 @@ def open_run(cfg: Config, plan: RunPlan, tokenizer, rows: tuple, pipeline: str, 
         ahead=AheadQueue(plan.ahead, plan.iterations),
         checkpoint=str(resume.checkpoint) if resume.checkpoint else None,
         state=resume.state,
+        lock=lock,
     )

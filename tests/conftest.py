@@ -21,6 +21,15 @@ atexit.register(shutil.rmtree, os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"],
 apply_defaults()
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
+# pytest rewrites (parses with `ast`) the modules of its plugins' distributions (hypothesis among them) and any
+# module named conftest as they are imported. Those below were imported lazily, in the middle of a test whose
+# threads (Ray's, Prefect's, the reward scorer's) may be parsing too: CPython 3.11's AST constructor shares its
+# state across threads (components/pyparse.py), and pandera's first validate failed a CI run with
+# "SystemError: AST constructor recursion depth mismatch". Imported here, before any test starts a thread.
+import beartype  # noqa: E402, F401  (Prefect's key-value store's; it imports beartype._conf.conftest)
+import hypothesis.internal.conjecture.optimiser  # noqa: E402, F401
+import pandera.backends.pandas.builtin_checks  # noqa: E402, F401
+import pandera.backends.pandas.builtin_hypotheses  # noqa: E402, F401
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

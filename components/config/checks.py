@@ -12,11 +12,10 @@ if TYPE_CHECKING:
     from components.config.schema import Config
 
 
-# Paths the pipeline reads as data or writes to: each must resolve (symlinks followed) inside trainer.run_dir.
+# Paths every command may write: each must resolve (symlinks followed) inside trainer.run_dir. The data files
+# (data.raw_dir, data.train_path, data.eval_path) are read from anywhere (your own data) and contained only
+# where a stage writes them: prepare and clean (check_contained).
 CONTAINED_PATHS = (
-    "data.train_path",
-    "data.eval_path",
-    "data.raw_dir",
     "data.quarantine_dir",
     "sft.output_dir",
     "trainer.output_dir",
@@ -41,6 +40,14 @@ def path_problems(cfg: Config) -> list[str]:
         for key in CONTAINED_PATHS
     ]
     return [p for p in problems if p]
+
+
+def check_contained(cfg: Config, *keys: str) -> None:
+    """ConfigError naming each of `keys` (paths a stage is about to write) that escapes trainer.run_dir."""
+    problems = [escape_problem(key, config_value(cfg, key), cfg.trainer.run_dir) for key in keys]
+    problems = [p for p in problems if p]
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def escape_problem(key: str, raw: str, run_dir: str, output_dir: bool = False) -> str | None:

@@ -430,11 +430,12 @@ def validate_file(
         )
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
         raise DataError(
-            f"{key}={path}: {len(bad)} of {len(df)} rows fail validation: {shown}{more}. Run "
-            "`reinforge clean` to quarantine them, or fix the file."
+            f"{key}={path}: {len(bad)} of {len(df)} rows fail validation: {shown}{more}. Fix the file, or "
+            f"quarantine them: `reinforge clean data.raw_dir={Path(path).parent}` cleans its train and test "
+            "files (docs/data.md)."
         )
     if not kept:
-        raise DataError(f"{key}={path} has no rows; run `reinforge clean` and check the quarantine folder")
+        raise DataError(f"{key}={path} has no rows; give it a file with rows (docs/data.md)")
     return kept
 
 

@@ -31,6 +31,7 @@ import time
 from functools import lru_cache
 
 from components.bounds import weight
+from components.pyparse import parse
 from components.rewards.sandbox import Sandbox, SessionClosed
 from components.settings import SandboxLimits
 
@@ -128,7 +129,7 @@ def parse_test(test: str) -> ast.expr:
             f"{MAX_TEST_CHARS}"
         )
     try:
-        body = ast.parse(test).body
+        body = parse(test).body
     except (SyntaxError, RecursionError, MemoryError) as exc:
         if not isinstance(exc, SyntaxError):
             raise Unsupported(f"code reward: test {test[:60]!r}... is nested too deeply to parse") from None

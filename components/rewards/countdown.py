@@ -12,6 +12,8 @@ import re
 from collections import Counter
 from fractions import Fraction
 
+from components.pyparse import parse
+
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 _EQUATION_TAIL = re.compile(r"[\d\s+\-*/()]+$")
 _OPS = {
@@ -56,7 +58,7 @@ def evaluate(equation: str) -> tuple[Fraction, list[int]]:
     if len(equation) > MAX_CHARS:
         raise BadEquation(f"equation longer than {MAX_CHARS} characters")
     try:
-        tree = ast.parse(equation.strip(), mode="eval")
+        tree = parse(equation.strip(), mode="eval")
     except SyntaxError as exc:
         raise BadEquation(f"not an equation: {exc.msg}") from None
     used: list[int] = []

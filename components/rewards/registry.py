@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
-from components.errors import RewardError
+from components.errors import ConfigError, RewardError
 from components.rewards import countdown, gsm8k
 from components.settings import SandboxLimits
 
@@ -82,7 +82,7 @@ def scorer_for(data_source: str, cfg: Config) -> Scorer:
     if data_source in rm.sources:
         name = rm.sources[data_source]
         if name not in SCORERS:
-            raise KeyError(
+            raise ConfigError(
                 f"reward_model.sources.{data_source}={name!r}: no such scorer; known: "
                 f"{', '.join(sorted(SCORERS))}. Fix the name or register the scorer in SCORERS."
             )
@@ -91,7 +91,7 @@ def scorer_for(data_source: str, cfg: Config) -> Scorer:
         return REWARDS[data_source](cfg)
     if rm.default_scorer is not None:
         return SCORERS[rm.default_scorer](cfg)
-    raise KeyError(
+    raise ConfigError(
         f"data_source={data_source!r}: no reward scorer registered; known sources: "
         f"{', '.join(sorted(REWARDS))}. Map it with reward_model.sources.{data_source}=<scorer> "
         f"(scorers: {', '.join(sorted(SCORERS))}), set reward_model.default_scorer, or register "
@@ -153,7 +153,8 @@ class ScorerChoice:
 
 
 def scorers_for(data_sources: list[str], cfg: Config) -> dict[str, Scorer]:
-    """The scorer of each distinct data_source (KeyError naming an unregistered one)."""
+    """The scorer of each distinct data_source (ConfigError naming an unregistered one and the mapping that
+    fixes it)."""
     return {source: scorer_for(source, cfg) for source in dict.fromkeys(data_sources)}
 
 

@@ -586,13 +586,13 @@ class Session:
             raise SessionClosed("tampered")
         if "raised" in message:
             return "raised", str(message["raised"])
-        import ast
+        from components.pyparse import literal
 
         text = message.get("value")
         if not isinstance(text, str):
             raise SessionClosed("tampered")
         try:
-            return "value", ast.literal_eval(text)
+            return "value", literal(text)
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             return "unplain", f"not a plain value: {text[:60]!r}"
 

@@ -9,7 +9,6 @@ stored (a crash loses at most the metrics of steps after it, which the resumed r
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import tempfile
@@ -20,17 +19,18 @@ import mlflow
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from components.env import PROJECT_ROOT, checkout_root, dvc_experiment
+from components.env import MLFLOW_ARTIFACTS, PROJECT_ROOT, default_tracking_uri, dvc_experiment
 
+# on a logged model: whether its held-out figures are linked to it, and where they are when they are not
+EVALUATION_TAG = "reinforge.evaluation"
+NOT_EVALUATED = (
+    "not evaluated yet: `reinforge evaluate` (the pipeline's evaluate stage) links its held-out figures here. "
+    "`dvc repro` skips that stage when this final model is byte-identical to the one dvc.lock records: its "
+    "figures are then that commit's metrics/eval.json (`dvc metrics show`)."
+)
 _BAD = re.compile(r"[^A-Za-z0-9_\-./ ]")
 # the experiment's kind: the UI opens a model-training experiment on its runs, not on the GenAI traces page
 EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
-
-
-def default_tracking_uri(root: Path | None = None) -> str:
-    """MLFLOW_TRACKING_URI, else the SQLite store of the checkout (components.env.checkout_root): a DVC
-    experiment trained in a temporary copy logs to the store of the checkout it was started from."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(root or checkout_root()) / 'mlruns.db'}"
 
 
 def metric_name(name: str) -> str:
@@ -67,7 +67,7 @@ def setup(experiment: str, root: Path | None = None) -> str:
         return exp.experiment_id
     location = None
     if uri.startswith("sqlite:///"):  # artifacts beside the database file
-        location = (Path(uri[len("sqlite:///") :]).parent / "mlartifacts" / experiment).resolve().as_uri()
+        location = (Path(uri[len("sqlite:///") :]).parent / MLFLOW_ARTIFACTS / experiment).resolve().as_uri()
     return client.create_experiment(
         experiment, artifact_location=location, tags={EXPERIMENT_KIND: MODEL_TRAINING}
     )
@@ -176,6 +176,9 @@ class Tracker:
             return False
         return True
 
+    def tag_model(self, model_id: str, tags: dict[str, str]) -> None:
+        self.client.set_logged_model_tags(model_id, tags)
+
     def log_model(
         self, local_dir: str | Path, name: str, params: dict | None = None, model_config: dict | None = None
     ) -> str:
@@ -195,6 +198,7 @@ class Tracker:
             name=name,
             source_run_id=self.run_id,
             model_type="text-generation",
+            tags={EVALUATION_TAG: NOT_EVALUATED},
             params={
                 k: str(v)[:6000]
                 for k, v in (

@@ -13,8 +13,11 @@
 
 What a run does with trainer.resume_mode=auto (plan_run): continue the newest run of its configuration when
 it is unfinished; extend it when it finished and trainer.iterations asks for more; refuse when it asks for
-fewer iterations than the run already has, or for as many as a finished run already did (nothing to train).
-`disable` starts a new run directory; a checkpoint path continues that checkpoint, checked like `auto`.
+fewer iterations than the run already has, or for as many as a finished run already did (nothing to train),
+unless trainer.when_finished=retrain (a deployment's or the nightly's run), which trains a new run then. A run
+another process is training now (its run directory's lock held: components/locking.py) is never continued:
+the new run trains in a directory of its own. `disable` starts a new run directory; a checkpoint path
+continues that checkpoint, checked like `auto`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,30 +139,38 @@ def plan_run(
     iterations: int,
     accept_mismatch: bool = False,
     when_finished: str = "stop",
+    busy: Callable[[Path], bool] = lambda run_dir: False,
 ) -> ResumePlan:
     """Decide, before anything is written, what this training run continues (see the module docstring).
-    `when_finished` = retrain (the nightly): a finished run of this configuration is not an error but the
-    start of a new run directory. Raises ConfigError or CheckpointError with the fix."""
+    `when_finished` = retrain (the nightly): a finished run of this configuration, or one of more iterations,
+    is not an error but the start of a new run directory. A run directory `busy` says another process trains
+    is passed over. Raises ConfigError or CheckpointError with the fix."""
     if resume_mode == "disable":
         return ResumePlan(new_run_dir(output_dir, fingerprint.digest))
     if resume_mode != "auto":
         return _plan_explicit(Path(resume_mode), fingerprint, iterations, accept_mismatch, Path(output_dir))
     notes: list[str] = []
     for run_dir in reversed(run_dirs(output_dir, fingerprint.digest)):
+        if busy(run_dir):
+            notes.append(f"{run_dir.name} is being trained by another process now; this run trains its own")
+            continue
         ckpt, skipped = checkpoints.find_resumable(run_dir / "checkpoints", fingerprint.digest)
         notes += skipped
         if ckpt is None:
             continue
         state, info = checkpoints.read_state(ckpt), read_info(run_dir)
+        done = _finished(state, info) and state["iteration"] == iterations
+        if (state["iteration"] > iterations or done) and when_finished == "retrain":
+            return ResumePlan(
+                new_run_dir(output_dir, fingerprint.digest),
+                notes=notes
+                + [
+                    f"{run_dir.name} already holds {state['iteration']} iterations; training a new run of {iterations}"
+                ],
+            )
         if state["iteration"] > iterations:
             raise _fewer(iterations, ckpt, state["iteration"])
-        if _finished(state, info) and state["iteration"] == iterations:
-            if when_finished == "retrain":
-                return ResumePlan(
-                    new_run_dir(output_dir, fingerprint.digest),
-                    notes=notes
-                    + [f"{run_dir.name} already finished {iterations} iterations; training a new run"],
-                )
+        if done:
             raise ConfigError(
                 f"{run_dir} already finished all {iterations} iterations of this configuration (MLflow run "
                 f"{info.get('mlflow_run_id')}), so there is nothing to train and nothing was written. Raise "

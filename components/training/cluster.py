@@ -48,7 +48,14 @@ def ensure_ray(warm_workers: bool = False, start_timeout_s: float = 120.0) -> No
     if address:
         runtime_env = {"env_vars": WORKER_ENV, "py_modules": [str(PROJECT_ROOT / "components")]}
         # Ray's INFO lines (connecting, connected, the code package pushed) are not the user's business
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, logging_level=logging.WARNING)
+        try:
+            ray.init(
+                address=address, runtime_env=runtime_env, log_to_driver=True, logging_level=logging.WARNING
+            )
+        except RuntimeError as exc:
+            if "No node info found" not in str(exc):
+                raise
+            raise ServiceError(no_local_node(address)) from None
     else:
         # the local instance's processes inherit this environment; a runtime_env would keep the run's actors
         # off the warmed workers (Ray starts workers of another environment for them)
@@ -61,6 +68,29 @@ def ensure_ray(warm_workers: bool = False, start_timeout_s: float = 120.0) -> No
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         start_local(warm_workers, start_timeout_s)
     reclaim_signals()
+
+
+def no_local_node(address: str) -> str:
+    """The line for a driver that reached the cluster's GCS but found no node of it under the address it
+    connects from (a head started without --node-ip-address registers as the machine's address, not as the
+    127.0.0.1 RAY_ADDRESS names): the addresses the nodes did register under, asked of the GCS."""
+    try:
+        from ray._raylet import GcsClient
+        from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+        infos = GcsClient(address=address).get_all_node_info(
+            timeout=5, state_filter=GcsNodeInfo.GcsNodeState.ALIVE
+        )
+        found = sorted({info.node_manager_address for info in infos.values()})
+    except Exception:  # noqa: BLE001 - the line is still worth printing without them
+        found = []
+    port = address.rsplit(":", 1)[-1]
+    use = f"RAY_ADDRESS={found[0]}:{port}" if found else "the address `ray start` printed"
+    return (
+        f"RAY_ADDRESS={address}: the cluster answers there, but no Ray node on this machine registered under that "
+        f"address (its nodes: {', '.join(found) or 'none found'}); set {use}, or start the nodes with "
+        "--node-ip-address matching RAY_ADDRESS."
+    )
 
 
 def private_temp_dir() -> str | None:

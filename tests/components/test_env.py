@@ -131,3 +131,32 @@ def test_what_a_command_writes_no_other_local_user_can_read(tmp_path):
     subprocess.run([sys.executable, "-c", probe], cwd=PROJECT, check=True, timeout=120)
     for p in (tmp_path / "out", tmp_path / "out" / "run", tmp_path / "out" / "run" / "state.json"):
         assert stat.S_IMODE(p.stat().st_mode) & 0o077 == 0, (p, oct(p.stat().st_mode))
+
+
+def test_mlflows_own_default_store_is_ours_and_an_old_store_is_renamed_once(tmp_path, monkeypatch, capsys):
+    """MLflow's tools, run in the checkout with no URI, open mlflow.db: the store a run logs to when
+    MLFLOW_TRACKING_URI is unset. A checkout whose runs are in the old mlruns.db gets it renamed, once; a set
+    URI wins, and nothing is renamed for it."""
+    from components.env import adopt_old_store, default_tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    mlflow_default = subprocess.run(  # MLflow's own default, asked of MLflow in this directory
+        [sys.executable, "-c", "import mlflow; print(mlflow.get_tracking_uri())"],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},
+    ).stdout.strip()
+    assert default_tracking_uri(tmp_path) == mlflow_default == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (tmp_path / "mlruns.db").write_bytes(b"runs")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking:5000")
+    adopt_old_store(tmp_path)
+    assert (tmp_path / "mlruns.db").exists() and default_tracking_uri(tmp_path) == "http://tracking:5000"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    adopt_old_store(tmp_path)
+    assert (tmp_path / "mlflow.db").read_bytes() == b"runs" and not (tmp_path / "mlruns.db").exists()
+    assert "moved" in capsys.readouterr().err
+    (tmp_path / "mlruns.db").write_bytes(b"older")
+    adopt_old_store(tmp_path)  # a store of each: neither is touched
+    assert (tmp_path / "mlflow.db").read_bytes() == b"runs" and (tmp_path / "mlruns.db").exists()

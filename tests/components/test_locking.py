@@ -46,3 +46,24 @@ def test_the_probe_answers_whether_a_lock_is_held_and_creates_nothing(tmp_path):
     check_free(lock, "a training run")  # released: free again
     with exclusive(lock, "a training run"):  # and the probe left it takeable
         pass
+
+
+def test_a_waiting_taker_gets_the_lock_once_it_is_released_and_names_the_holder_if_never(tmp_path):
+    import threading
+    import time
+
+    from components.locking import Held, is_held
+
+    lock = tmp_path / ".grpo.lock"
+    first = Held(lock, "a run picking its directory")
+    assert is_held(lock)
+    threading.Timer(0.3, first.release).start()
+    started = time.monotonic()
+    with exclusive(lock, "a run picking its directory", wait_s=10):
+        assert 0.2 < time.monotonic() - started < 5  # it waited for the release, not the whole 10 s
+    assert not is_held(lock)
+    with (
+        exclusive(lock, "a run picking its directory"),
+        pytest.raises(AlreadyRunning, match=r"already running \(pid \d+, lock .* for 0.2 s\)"),
+    ):
+        Held(lock, "a run picking its directory", wait_s=0.2)

@@ -33,17 +33,17 @@ def test_the_runs_prefect_server_stops_when_the_run_is_sigkilled():
 
 
 def test_a_corrupt_or_locked_tracking_store_is_one_line(tmp_path, monkeypatch):
-    """The embedded MLflow store (mlruns.db) that is not a database, or that another process holds locked, stops
+    """The embedded MLflow store (mlflow.db) that is not a database, or that another process holds locked, stops
     the command before anything starts, naming the file and the fix (it was a traceback)."""
     import sqlite3
 
     from components.errors import ServiceError
     from components.services import check_services
 
-    store = tmp_path / "mlruns.db"
+    store = tmp_path / "mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
     store.write_bytes(b"\x00not a database" * 100)
-    with pytest.raises(ServiceError, match=r"mlruns.db is not a readable SQLite database .* move it aside"):
+    with pytest.raises(ServiceError, match=r"mlflow.db is not a readable SQLite database .* move it aside"):
         check_services(1.0)
     store.unlink()
     holder = sqlite3.connect(store)
@@ -51,7 +51,7 @@ def test_a_corrupt_or_locked_tracking_store_is_one_line(tmp_path, monkeypatch):
     holder.commit()
     holder.execute("BEGIN EXCLUSIVE")  # another process's long write
     try:
-        with pytest.raises(ServiceError, match=r"mlruns.db is locked by another process for more than 1 s"):
+        with pytest.raises(ServiceError, match=r"mlflow.db is locked by another process for more than 1 s"):
             check_services(1.0)
     finally:
         holder.rollback()

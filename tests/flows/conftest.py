@@ -120,7 +120,7 @@ def sft_ready(
     from flows.sft import sft_flow
 
     before = os.environ.get("MLFLOW_TRACKING_URI")  # an enclosing sft_ready's (a module fixture's), restored
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlruns.db"
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlflow.db"
     ov = merged(small_overrides(root, iterations, backend), extra)
     # the data and SFT model depend only on the config and its data./sft. keys: made once per session for
     # them, then copied into each module's root (its own copy, ~2 MB; ~25 s of CPU saved each time)
@@ -148,10 +148,10 @@ _PREPARED: dict[tuple, Path] = {}
 
 
 def scores(root, run_id: str, key: str = "critic/score/mean") -> list[float]:
-    """The values of metric `key` of MLflow run `run_id` (in root/mlruns.db), step by step."""
+    """The values of metric `key` of MLflow run `run_id` (in root/mlflow.db), step by step."""
     from mlflow.tracking import MlflowClient
 
-    history = MlflowClient(f"sqlite:///{root}/mlruns.db").get_metric_history(run_id, key)
+    history = MlflowClient(f"sqlite:///{root}/mlflow.db").get_metric_history(run_id, key)
     return [m.value for m in sorted(history, key=lambda m: m.step)]
 
 

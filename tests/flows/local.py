@@ -32,7 +32,7 @@ def local_root(tmp_path_factory, tiny_model_dir, prefect_harness):
     schema = row_schema("text")
     write_parquet(rows[:16], root / "train.parquet", schema)
     write_parquet(rows[16:], root / "test.parquet", schema)
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlruns.db"
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlflow.db"
     yield root
     os.environ.pop("MLFLOW_TRACKING_URI")
 
@@ -107,5 +107,8 @@ def run_locally(ov: list[str], fail: dict | None = None) -> dict:
         return workers
 
     run.start_workers = start
-    info = train(run, Started(start(plan)), time.perf_counter())
+    try:
+        info = train(run, Started(start(plan)), time.perf_counter())
+    finally:
+        run.lock.release()  # as the training flow does: a later run in this process may continue this one
     return {**info, "starts": len(starts), "history": run.history}

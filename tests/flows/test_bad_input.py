@@ -95,7 +95,7 @@ def test_malformed_dataset_is_quarantined_and_clean_output_is_whole(tmp_path):
     assert not list((tmp_path / "c").glob(".*.tmp"))
 
 
-@pytest.mark.parametrize("key", ["trainer.output_dir", "data.train_path", "data.quarantine_dir"])
+@pytest.mark.parametrize("key", ["trainer.output_dir", "sft.output_dir", "data.quarantine_dir"])
 @pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
 def test_paths_leaving_the_run_dir_are_rejected_before_any_io(tmp_path, key, how):
     run, outside = tmp_path / "run", tmp_path / "outside"

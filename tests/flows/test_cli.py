@@ -66,14 +66,18 @@ def test_a_stages_summary_shows_nested_figures_and_dates_not_epochs():
             "iterations": 100,
             "sft": {"acc": 0.3},
             "final": {"acc": 0.6049},
-            "x": [1],
-            "fingerprint_config": {f"k{i}": i for i in range(50)},  # data, behind --json
+            "x": list(range(50)),  # data, behind --json
+            "fingerprint_config": {f"k{i}": i for i in range(50)},
+            "prepare": ["data/raw/train.parquet", "data/raw/test.parquet"],  # what the data stages made
+            "clean": [{"kept": 9, "quarantined": 1, "reasons": {"empty": 1}}],
         }
     )
     lines = [line.split() for line in text.splitlines()]
     assert lines[0][0] == "created" and lines[0][1].startswith("2026-12-")  # a date, in the local timezone
     assert ["sft.acc", "0.3"] in lines and ["final.acc", "0.6049"] in lines and ["iterations", "100"] in lines
     assert not any(line[0] == "x" or line[0].startswith("fingerprint_config") for line in lines)
+    assert ["prepare", "data/raw/train.parquet,", "data/raw/test.parquet"] in lines
+    assert ["clean[0].kept", "9"] in lines and ["clean[0].reasons.empty", "1"] in lines
 
 
 def paths_under(root, out) -> list[str]:
@@ -96,20 +100,17 @@ def _no_services(monkeypatch):
     monkeypatch.setattr(cluster, "ensure_ray", started)
 
 
-@pytest.mark.parametrize("command", ["train", "nightly"])
-def test_a_held_lock_is_answered_before_prefect_or_ray_starts(tmp_path, monkeypatch, capsys, command):
-    from components.locking import exclusive, pipeline_lock, training_lock
+def test_a_held_pipeline_lock_is_answered_before_prefect_or_ray_starts(tmp_path, monkeypatch, capsys):
+    from components.locking import exclusive, pipeline_lock
     from flows.cli import main
 
     _no_services(monkeypatch)
     out = tmp_path / "grpo"
-    args = [command, "--config", "configs/arith_grpo.yaml", *paths_under(tmp_path, out)]
-    locks = [training_lock(out)] + ([pipeline_lock(out)] if command == "nightly" else [])
-    for lock in locks:
-        with exclusive(lock, "the other run"):
-            assert main(args) == 2
-        err = capsys.readouterr().err.strip()
-        assert err.count("\n") == 0 and "is already running (pid" in err, err
+    args = ["nightly", "--config", "configs/arith_grpo.yaml", *paths_under(tmp_path, out)]
+    with exclusive(pipeline_lock(out), "the other run"):
+        assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "is already running (pid" in err, err
 
 
 def test_a_foreign_output_directory_is_answered_before_prefect_or_ray_starts(tmp_path, monkeypatch, capsys):
@@ -245,3 +246,15 @@ def test_a_pipelines_file_refuses_a_config_outside_the_project_and_untyped_overr
     with pytest.raises(ConfigError) as err:
         load_pipelines(f)
     assert named in str(err.value) and "\n" not in str(err.value)
+
+
+def test_evaluate_of_one_model_without_its_data_is_refused_before_any_import(capsys):
+    from flows.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["evaluate", "--model_path", "checkpoints/grpo"])
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and err.count("\n") == 0 and "--model_path needs --eval_data FILE" in err
+    with pytest.raises(SystemExit):
+        main(["evaluate", "--help"])
+    assert "required with --model_path" in capsys.readouterr().out

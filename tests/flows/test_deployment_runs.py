@@ -120,6 +120,34 @@ def test_a_served_training_deployment_runs(served):
     assert [r.info.status for r in mlflow_runs] == ["FINISHED"]
 
 
+def test_overlapping_runs_of_a_deployment_and_a_shorter_one_after_them_each_train_a_run_of_their_own(served):
+    """Two `prefect deployment run`s of one deployment at once, then one asking for fewer iterations than the
+    runs before it trained, as a user types them: none waits on or is refused for another's run directory."""
+    client, root, _ = served
+    env = {**os.environ, "PREFECT_API_URL": str(client.api_url).rstrip("/")}
+    before = set((root / "grpo" / "runs").glob("*")) if (root / "grpo" / "runs").is_dir() else set()
+    both = [prefect_deployment_run("rl-train/small", env) for _ in range(2)]
+    states = [final_state(client, run_id) for run_id in both]
+    assert [s.type.value for s in states] == ["COMPLETED"] * 2, [s.message for s in states]
+    made = set((root / "grpo" / "runs").iterdir()) - before
+    assert len(made) == 2, made  # a run directory each
+    overrides = client.read_deployment_by_name("rl-train/small").parameters["overrides"]
+    shorter = json.dumps({"overrides": [*overrides, "trainer.iterations=1"]})
+    res = subprocess.run(
+        [str(BIN / "prefect"), "deployment", "run", "rl-train/small", "--params", shorter],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    import re
+    from uuid import UUID
+
+    run_id = UUID(re.search(r"UUID: ([0-9a-f-]{36})", res.stdout).group(1))
+    state = final_state(client, run_id)
+    assert state.type.value == "COMPLETED", state.message
+
+
 def test_a_failed_run_says_why_in_one_line(served):
     client, _, proc = served
     bad = client.read_deployment_by_name("rl-train/small").parameters["overrides"] + ["algorithm.betta=0.1"]
@@ -232,7 +260,7 @@ def test_a_work_pools_worker_runs_a_deployment_cloned_from_git_one_run_at_a_time
     from mlflow.tracking import MlflowClient
 
     assert len(list((tmp_path / "data" / "grpo" / "runs").iterdir())) == 2
-    store = MlflowClient(f"sqlite:///{tmp_path}/data/mlruns.db")
+    store = MlflowClient(f"sqlite:///{tmp_path}/data/mlflow.db")
     mlflow_runs = store.search_runs([store.get_experiment_by_name("e2e").experiment_id])
     assert [r.info.status for r in mlflow_runs] == ["FINISHED", "FINISHED"]
     first, second = sorted(runs, key=lambda r: r.start_time)

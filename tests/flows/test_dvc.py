@@ -53,7 +53,7 @@ def repo(tmp_path_factory, prefect_api):
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     (repo / ".venv").symlink_to(VENV_BIN.parent)  # the checkout's own venv, as `make install` leaves it
     # no venv on PATH, none activated: dvc is called by its path, the stages find the venv through scripts/py
-    # no MLFLOW_TRACKING_URI: each run logs to the checkout's own store (mlruns.db), as a user's does
+    # no MLFLOW_TRACKING_URI: each run logs to the checkout's own store (mlflow.db), as a user's does
     unset = ("VIRTUAL_ENV", "PYTHONPATH", "MLFLOW_TRACKING_URI")
     env = {k: v for k, v in os.environ.items() if k not in unset}
     env.update(
@@ -211,7 +211,7 @@ def mlflow_runs_of_experiment(repo: Path, name: str) -> list:
     """The MLflow runs of the checkout's own store tagged with DVC experiment `name`."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{repo}/mlruns.db")
+    client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
     experiment = client.get_experiment_by_name("e2e")
     return client.search_runs([experiment.experiment_id], f"tags.`dvc.exp_name` = '{name}'")
 
@@ -245,6 +245,10 @@ def test_experiments_compare_and_leave_the_workspace_as_it_was(repo):
     # the experiment (5 iterations) and the workspace's run (4)
     assert {m["iterations"] for m in shown.values()} >= {5, 4}, shown
     (name,) = [n for n, m in shown.items() if m["iterations"] == 5]
+    table = sh(
+        [DVC, "exp", "show", "--md", "--only-changed"], repo, env, stdout_only=True
+    )  # as README has it
+    assert name in table and "…" not in table, table
     (run,) = mlflow_runs_of_experiment(repo, name)
     head = git(repo, env, "rev-parse", "HEAD").strip()
     assert run.info.status == "FINISHED" and run.data.tags["dvc.exp_baseline_rev"] == head
@@ -253,9 +257,12 @@ def test_experiments_compare_and_leave_the_workspace_as_it_was(repo):
     )
     assert run.data.metrics["eval/final/acc"] == shown[name]["final"]["acc"]  # the same figure in both UIs
     (model,) = run.outputs.model_outputs  # its logged model's files, in the checkout's artifact store
-    assert (repo / "mlartifacts" / "e2e" / "models" / model.model_id / "artifacts" / "MLmodel").is_file()
+    assert (repo / "mlruns" / "e2e" / "models" / model.model_id / "artifacts" / "MLmodel").is_file()
     assert not list((repo / ".dvc" / "tmp" / "exps").glob("**/tmp*"))  # the temporary copy is gone
     assert "final.acc" in sh([DVC, "metrics", "diff", "--all", "HEAD~1"], repo, env)  # HEAD's metrics load
+    sh([DVC, "plots", "diff", "HEAD", name, "--targets", "dvc.yaml"], repo, env)  # README's line, as written
+    assert (repo / "dvc_plots" / "index.html").is_file()
+    assert "dvc_plots" not in git(repo, env, "status", "--porcelain")  # ignored, as every output here
     res = subprocess.run(  # an experiment that fails (greedy GRPO is refused): the workspace stays as it was
         [DVC, "exp", "run", "--temp", "-S", f"{key}engine.temperature=0", "dvc.yaml"],
         cwd=repo,
@@ -302,7 +309,7 @@ def test_make_clean_leaves_every_tracked_file(repo):
     res = subprocess.run(["make", "clean"], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert [f for f in tracked if not (repo / f).exists()] == []
-    assert not (repo / "checkpoints").exists() and not (repo / "mlruns.db").exists()  # what the runs wrote
+    assert not (repo / "checkpoints").exists() and not (repo / "mlflow.db").exists()  # what the runs wrote
     sh([DVC, "checkout", "dvc.yaml"], repo, env)  # the outputs back from DVC's cache
 
 

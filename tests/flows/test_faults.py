@@ -242,7 +242,7 @@ def test_two_engines_with_health_checks_survive_one_killed(start):
         ],
     )
     thread.join(30)
-    client = MlflowClient(f"sqlite:///{root}/mlruns.db")
+    client = MlflowClient(f"sqlite:///{root}/mlflow.db")
     restarts = client.get_metric_history(info["run_id"], "rollout/engine_restarts")
     assert killed and sorted(m.step for m in restarts) == [1, 2, 3]
     assert sum(m.value for m in restarts) >= 1 and info["iterations"] == 3

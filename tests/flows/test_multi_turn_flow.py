@@ -28,7 +28,7 @@ def test_tool_calling_pipeline_runs_and_logs_turns(tmp_path, prefect_harness):
 
     with sft_ready(tmp_path, iterations=2, extra=TOOL) as ov:
         info = train_flow("configs/arith_grpo.yaml", ov)
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlruns.db")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     metric = lambda key: [m.value for m in client.get_metric_history(info["run_id"], key)]  # noqa: E731
     turns = metric("num_turns/mean")
     assert len(turns) == 2 and all(1.0 <= t <= 2.0 for t in turns)

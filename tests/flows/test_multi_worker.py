@@ -186,13 +186,27 @@ def test_a_token_auth_cluster_of_two_nodes_runs_updates_and_training_and_refuses
     try:
         _wait_for(port, env)
         second_node()
+        # the line a driver that finds no node under its address gets names the addresses they did register
+        # under, asked of this GCS (in a child: its client keeps the token of the environment it starts in)
+        said = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"from components.training.cluster import no_local_node as f; print(f({address!r}))",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        assert f"RAY_ADDRESS={address}: the cluster answers there" in said and "none found" not in said, said
 
         # `reinforge train` against it: a project of a newcomer's (a base model, a JSONL file)
         base_model(tmp_path / "base")
         jsonl(tmp_path / "train.jsonl", string_rows(24))
         jsonl(tmp_path / "test.jsonl", string_rows(6, start=40))
         cli = driver | {
-            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlruns.db",
+            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
             "PREFECT_API_URL": prefect_api,
         }
 
@@ -238,7 +252,7 @@ def test_a_token_auth_cluster_of_two_nodes_runs_updates_and_training_and_refuses
         placed = ("trainer.worker_resources={CPU: 1, trainer: 1}", *separate, *sgd)
         rc, err, _ = train("trainer.num_workers=4", "trainer.min_workers=2", *placed)
         assert rc == 0, err[-3000:]
-        client = MlflowClient(f"sqlite:///{tmp_path}/mlruns.db")
+        client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
         experiments = [e.experiment_id for e in client.search_experiments()]
         (run,) = client.search_runs(experiments, "attributes.status = 'FINISHED'")  # the refused one is not
         used = [m.value for m in client.get_metric_history(run.info.run_id, "workers/policy")]

@@ -51,7 +51,7 @@ def test_preset_trains_without_nan(local_root, tiny_model_dir, preset):
     root = local_root
     extra = [f"algorithm.name={preset}", f"trainer.iterations={ITERATIONS}", *EXTRA.get(preset, [])]
     info = run_locally(overrides(root, preset, tiny_model_dir, *extra))
-    client = MlflowClient(f"sqlite:///{root}/mlruns.db")
+    client = MlflowClient(f"sqlite:///{root}/mlflow.db")
     run = client.get_run(info["run_id"])
     assert run.info.status == "FINISHED" and run.data.params["algorithm.name"] == preset
     metrics = run.data.metrics

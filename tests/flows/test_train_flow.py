@@ -40,7 +40,7 @@ def test_every_parameter_changed(pipeline_run):
 
 def test_each_iteration_logged_exactly_once(pipeline_run):
     root, info, _ = pipeline_run
-    client = MlflowClient(f"sqlite:///{root}/mlruns.db")
+    client = MlflowClient(f"sqlite:///{root}/mlflow.db")
     run = client.get_run(info["run_id"])
     assert run.info.status == "FINISHED"
     for key in (
@@ -72,6 +72,7 @@ def test_each_iteration_logged_exactly_once(pipeline_run):
         "eval/acc",
         "eval/n",
     }  # the evaluation of that exact model
+    assert model.tags["reinforge.evaluation"].startswith("linked: eval/* on ")
 
 
 def test_what_the_mlflow_ui_shows_is_there(pipeline_run):
@@ -82,7 +83,7 @@ def test_what_the_mlflow_ui_shows_is_there(pipeline_run):
     import yaml
 
     root, info, _ = pipeline_run
-    client = MlflowClient(f"sqlite:///{root}/mlruns.db")
+    client = MlflowClient(f"sqlite:///{root}/mlflow.db")
     run = client.get_run(info["run_id"])
     assert run.info.run_name.startswith(f"e2e-test-grpo-{info['fingerprint'][:10]}-")
     assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == (
@@ -134,7 +135,7 @@ def test_what_the_prefect_ui_shows_is_there(pipeline_run):
             return logs, await client.read_artifacts(flow_run_filter=runs)
 
     root, info, _ = pipeline_run
-    tags = MlflowClient(f"sqlite:///{root}/mlruns.db").get_run(info["run_id"]).data.tags
+    tags = MlflowClient(f"sqlite:///{root}/mlflow.db").get_run(info["run_id"]).data.tags
     flow_run_id = tags["prefect.flow_run_id"]  # the MLflow run names the Prefect flow run that made it
     expected = {
         f"{s}[it={i}]" for s in ("gen", "reward", "adv", "update-actor") for i in range(1, ITERATIONS + 1)
@@ -201,7 +202,7 @@ def test_the_same_run_with_its_workers_in_this_process_ends_on_the_same_model(pi
     on_ray, here = load_model(info["final_model"]).state_dict(), load_model(local["final_model"]).state_dict()
     assert on_ray.keys() == here.keys() and all(torch.equal(on_ray[k], here[k]) for k in on_ray)
     assert scores(root, local["run_id"]) == scores(root, info["run_id"])  # critic/score/mean, step by step
-    client = MlflowClient(f"sqlite:///{root}/mlruns.db")
+    client = MlflowClient(f"sqlite:///{root}/mlflow.db")
     assert client.get_run(local["run_id"]).data.params["trainer.backend"] == "local"
 
 
@@ -220,7 +221,7 @@ def test_grpo_trains_with_the_tiny_reward_model(pipeline_run):
         ov
         + [f"reward_model.path={root}/rm", "reward_model.rule_weight=0.5", "reward_model.model_weight=0.5"],
     )
-    client = MlflowClient(f"sqlite:///{root}/mlruns.db")
+    client = MlflowClient(f"sqlite:///{root}/mlflow.db")
     history = lambda key: client.get_metric_history(info["run_id"], key)  # noqa: E731
     model, rule = (history(f"reward/{k}/mean") for k in ("model_score", "rule_score"))
     score = history("critic/score/mean")

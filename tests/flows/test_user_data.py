@@ -48,7 +48,7 @@ def string_rows(count: int, start: int = 0) -> list[dict]:
 
 @pytest.fixture()
 def user_project(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlruns.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     base_model(tmp_path / "base")
     jsonl(tmp_path / "train.jsonl", string_rows(24))
     jsonl(tmp_path / "test.jsonl", string_rows(6, start=40))
@@ -85,7 +85,7 @@ def overrides(root: Path, *extra: str) -> list[str]:
 
 
 def no_runs(root: Path) -> bool:
-    db = root / "mlruns.db"
+    db = root / "mlflow.db"
     if not db.is_file():
         return True
     client = MlflowClient(f"sqlite:///{db}")
@@ -99,7 +99,7 @@ def test_plain_string_prompts_and_a_base_model_without_template_train_end_to_end
     from flows.train import train_flow
 
     info = train_flow(CONFIG, overrides(user_project))
-    client = MlflowClient(f"sqlite:///{user_project}/mlruns.db")
+    client = MlflowClient(f"sqlite:///{user_project}/mlflow.db")
     run = client.get_run(info["run_id"])
     assert run.info.status == "FINISHED"
     invalid = client.get_metric_history(info["run_id"], "reward/invalid_count")
@@ -163,6 +163,11 @@ def checkpoint_of_another_size(root: Path) -> list[str]:
     ]  # past the fingerprint check
 
 
+def a_data_source_no_scorer_takes(root: Path) -> list[str]:
+    rows = [{**row, "data_source": "mytask"} for row in string_rows(4)]
+    return [f"data.train_path={jsonl(root / 'own.jsonl', rows)}"]
+
+
 # the case whose workers start on Ray, beside the checks: the run that stops kills them, leaving none
 ON_RAY = {"model_without_weights"}
 
@@ -174,6 +179,8 @@ BAD_INPUTS = {
     pickle_only_model: r"actor\.model\.path=.*: its weights are only in pickle format \(pytorch_model\.bin\)",
     messages_for_a_model_without_template: r"data\.apply_chat_template: the tokenizer of .*base has no chat "
     r"template, but the prompts of .*msgs\.jsonl are chat messages",
+    a_data_source_no_scorer_takes: r"data_source='mytask': no reward scorer registered; .* Map it with "
+    r"reward_model\.sources\.mytask=<scorer>",
     checkpoint_of_another_size: r"iter_000001: its model differs in shape from actor\.model\.path=.*base "
     r"\(hidden_size 48 vs 32",
 }
@@ -307,7 +314,7 @@ def test_a_bool_returning_reward_stops_the_run_at_iteration_one(
     )
     assert rc == 2 and "returned bool False for sample 0" in err and "compute_score" in err, err
     assert "Traceback" not in err
-    client = MlflowClient(f"sqlite:///{user_project}/mlruns.db")
+    client = MlflowClient(f"sqlite:///{user_project}/mlflow.db")
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.info.status == "FAILED" and not client.get_metric_history(run.info.run_id, "actor/pg_loss")
 

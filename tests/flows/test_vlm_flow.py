@@ -41,7 +41,7 @@ def vlm(tmp_path_factory, prefect_harness):
 
 def test_the_vlm_pipeline_logs_vision_metrics_and_sample_images(vlm):
     root, _, whole = vlm
-    client = MlflowClient(f"sqlite:///{root}/mlruns.db")
+    client = MlflowClient(f"sqlite:///{root}/mlflow.db")
     metric = lambda key: [m.value for m in client.get_metric_history(whole["run_id"], key)]  # noqa: E731
     assert metric("vision/image_tokens_per_sample") == [16.0] * ITERATIONS  # 4x4 patches, 1/4 of 64 tokens
     assert metric("vision/frozen") == [0.0] * ITERATIONS and len(metric("actor/pg_loss")) == ITERATIONS
@@ -86,7 +86,7 @@ def test_ppo_with_a_critic_trains_on_images_and_a_frozen_tower_stays_bit_identic
             "trainer.iterations=2",
         ],
     )
-    client = MlflowClient(f"sqlite:///{root}/mlruns.db")
+    client = MlflowClient(f"sqlite:///{root}/mlflow.db")
     metric = lambda key: [m.value for m in client.get_metric_history(info["run_id"], key)]  # noqa: E731
     vf = metric("critic/vf_loss")
     assert len(vf) == 2 and all(v == v for v in vf)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from components.errors import RewardError
+from components.errors import ConfigError, RewardError
 from components.rewards import gsm8k
 from components.rewards.registry import REWARDS, score_with_config
 from components.validate import load_checked
@@ -42,7 +42,7 @@ def test_score_batch_counts_invalid_and_names_failing_sample():
         assert scores == [1.0, 0.0] and valid == [True, False] and all(math.isfinite(s) for s in scores)
         with pytest.raises(RewardError, match="sample 0"):
             score_with_config(["x"], ["1"], ["test/raise"], [{}], cfg)
-        with pytest.raises(KeyError, match="no reward scorer registered"):
+        with pytest.raises(ConfigError, match="no reward scorer registered"):
             score_with_config(["x"], ["1"], ["unknown"], [{}], cfg)
     finally:
         REWARDS.pop("test/nan"), REWARDS.pop("test/raise")

@@ -66,7 +66,7 @@ def test_sources_override_and_default(tmp_path):
     cfg = load_checked(None, ['reward_model.sources={"arith": "math"}', "reward_model.default_scorer=gsm8k"])
     assert scorer_for("arith", cfg)("\\boxed{5}", "5", {}) == 1.0  # math, not gsm8k
     assert scorer_for("somewhere/else", cfg)("#### 5", "5", {}) == 1.0  # the default
-    with pytest.raises(KeyError, match="reward_model.sources"):
+    with pytest.raises(ConfigError, match="reward_model.sources"):
         scorer_for("somewhere/else", load_checked(None))
     with pytest.raises(ConfigError, match="reward_model.default_scorer='nope'"):
         load_checked(None, ["reward_model.default_scorer=nope"])
