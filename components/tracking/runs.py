@@ -12,9 +12,10 @@
                                  (MLflow ids, timestamps, checkpoints) are this machine's working state
 
 What a run does with trainer.resume_mode=auto (plan_run): continue the newest run of its configuration when
-it is unfinished; extend it when it finished and trainer.iterations asks for more; refuse when it asks for
-fewer iterations than the run already has, or for as many as a finished run already did (nothing to train),
-unless trainer.when_finished=retrain (a deployment's or the nightly's run), which trains a new run then. A run
+it is unfinished; extend it when it finished and trainer.iterations asks for more; train a new run when it
+asks for fewer iterations than that run has; refuse when it asks for as many as a finished run already did
+(nothing to train), unless trainer.when_finished=retrain (a deployment's or the nightly's run), which trains a
+new run then. A run
 another process is training now (its run directory's lock held: components/locking.py) is never continued:
 the new run trains in a directory of its own. `disable` starts a new run directory; a checkpoint path
 continues that checkpoint, checked like `auto`.
@@ -142,9 +143,9 @@ def plan_run(
     busy: Callable[[Path], bool] = lambda run_dir: False,
 ) -> ResumePlan:
     """Decide, before anything is written, what this training run continues (see the module docstring).
-    `when_finished` = retrain (the nightly): a finished run of this configuration, or one of more iterations,
-    is not an error but the start of a new run directory. A run directory `busy` says another process trains
-    is passed over. Raises ConfigError or CheckpointError with the fix."""
+    `when_finished` = retrain (the nightly): a finished run of this configuration is not an error but the
+    start of a new run directory, as a run of more iterations than asked always is. A run directory `busy`
+    says another process trains is passed over. Raises ConfigError or CheckpointError with the fix."""
     if resume_mode == "disable":
         return ResumePlan(new_run_dir(output_dir, fingerprint.digest))
     if resume_mode != "auto":
@@ -160,7 +161,7 @@ def plan_run(
             continue
         state, info = checkpoints.read_state(ckpt), read_info(run_dir)
         done = _finished(state, info) and state["iteration"] == iterations
-        if (state["iteration"] > iterations or done) and when_finished == "retrain":
+        if state["iteration"] > iterations or (done and when_finished == "retrain"):
             return ResumePlan(
                 new_run_dir(output_dir, fingerprint.digest),
                 notes=notes
@@ -168,8 +169,6 @@ def plan_run(
                     f"{run_dir.name} already holds {state['iteration']} iterations; training a new run of {iterations}"
                 ],
             )
-        if state["iteration"] > iterations:
-            raise _fewer(iterations, ckpt, state["iteration"])
         if done:
             raise ConfigError(
                 f"{run_dir} already finished all {iterations} iterations of this configuration (MLflow run "

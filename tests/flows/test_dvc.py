@@ -292,6 +292,35 @@ def test_a_queued_experiment_logs_to_the_checkouts_store(repo):
     assert run.info.status == "FINISHED" and run.data.metrics["eval/final/acc"] == shown[name]["final"]["acc"]
 
 
+def test_the_readmes_experiment_commands_as_written(repo):
+    """README's experiments block, line for line in the checkout's copy (the venv activated where it says so):
+    an experiment, a queued one run by the queue, the table, the metrics diff, then the plots of HEAD against
+    the first experiment (its name put for `<experiment>`)."""
+    from tests.docs.test_doc_blocks import as_script, marked
+
+    repo, env = repo
+    *lines, plots = marked("test_the_readmes_experiment_commands_as_written").body.strip().splitlines()
+    before = set(exp_metrics(repo, env))
+    res = subprocess.run(
+        ["bash", "-c", as_script("\n".join(lines))],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    shown = exp_metrics(repo, env)
+    made = {n: m for n, m in shown.items() if n not in before}
+    assert sorted(m["iterations"] for m in made.values()) == [4, 150], made  # the --temp one, the queued one
+    assert all(name in res.stdout for name in made) and "…" not in res.stdout  # exp show's table, whole
+    (first,) = [n for n, m in made.items() if m["iterations"] == 4]
+    res = subprocess.run(
+        ["bash", "-c", as_script(plots, experiment=first)], cwd=repo, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0 and (repo / "dvc_plots" / "index.html").is_file(), res.stderr[-2000:]
+
+
 def test_an_edited_reward_function_reruns_training(repo):
     """rewards/ (custom_reward_function.path) is a dependency of train and evaluate: an edit reruns them."""
     repo, env = repo

@@ -47,21 +47,6 @@ def mlflow_view(root: Path, run_id: str) -> tuple:
     return run.info.run_name, run.info.status, run.data.params, steps
 
 
-def test_fewer_iterations_than_a_finished_run_stops_and_writes_nothing(trained, capsys):
-    from flows.train import main
-
-    root, ov, info = trained
-    before, view = snapshot(root / "grpo"), mlflow_view(root, info["run_id"])
-    assert main(["--config", CONFIG, *merged(ov, ["trainer.iterations=1"])]) == 2
-    err = capsys.readouterr().err
-    assert "trainer.iterations=1 is fewer than the 2 iterations checkpoint" in err and "iter_000002" in err
-    assert "trainer.resume_mode=disable" in err and "Traceback" not in err
-    assert main(["--config", CONFIG, *ov]) == 2  # as many as it already did: nothing to train either
-    assert "already finished all 2 iterations" in capsys.readouterr().err
-    assert snapshot(root / "grpo") == before  # run.json, checkpoints, final model: byte-identical
-    assert mlflow_view(root, info["run_id"]) == view  # name, status, params, steps unchanged
-
-
 def test_a_changed_config_in_the_same_output_dir_never_touches_the_first_run(trained):
     from flows.train import train_flow
 
@@ -157,6 +142,25 @@ def test_outputs_that_are_not_ours_are_refused_before_any_work(
     assert reward_model([*base, "sft.output_dir=sft", "--out", ".."]) == 2
     assert "--out=..: it resolves outside the run directory" in capsys.readouterr().err
     assert snapshot(project) == before  # every file still there, by content
+
+
+def test_as_many_iterations_as_a_finished_run_stop_and_fewer_train_a_new_run(trained, capsys):
+    """After the extension above (the run finished 3 iterations): asking for 3 again has nothing to train and
+    writes nothing; asking for 1 is a run of its own, trained in a new directory, the finished one untouched.
+    After the tests that continue the first run: the run it adds is the newest of the configuration."""
+    from flows.train import main, train_flow
+
+    root, ov, info = trained
+    before, view = snapshot(root / "grpo"), mlflow_view(root, info["run_id"])
+    assert main(["--config", CONFIG, *merged(ov, ["trainer.iterations=3"])]) == 2
+    err = capsys.readouterr().err
+    assert "already finished all 3 iterations" in err and "Traceback" not in err
+    assert snapshot(root / "grpo") == before  # run.json, checkpoints, final model: byte-identical
+    assert mlflow_view(root, info["run_id"]) == view  # name, status, params, steps unchanged
+    first = Path(info["final_model"]).parent
+    kept = snapshot(first)
+    shorter = train_flow(CONFIG, merged(ov, ["trainer.iterations=1"]))
+    assert Path(shorter["final_model"]).parent != first and snapshot(first) == kept
 
 
 def test_runs_of_one_output_dir_never_block_or_refuse_each_other(trained):
