@@ -276,22 +276,6 @@ def test_experiments_compare_and_leave_the_workspace_as_it_was(repo):
     assert snapshot(repo / "checkpoints" / "grpo") == workspace
 
 
-def test_a_queued_experiment_logs_to_the_checkouts_store(repo):
-    """`dvc exp run --queue`, then `dvc exp run --run-all` (the venv activated: DVC starts its queue worker as
-    `dvc` from PATH): the worker trains in a copy of its own, and the run lands in the checkout's MLflow store
-    like a --temp one."""
-    repo, env = repo
-    key = "configs/arith_grpo.yaml:"
-    sh([DVC, "exp", "run", "--queue", "-S", f"{key}trainer.iterations=6", "dvc.yaml"], repo, env)
-    # DVC starts its queue worker as `dvc` from PATH: the venv's must be there (README: activate it first)
-    activated = {**env, "PATH": f"{VENV_BIN}:{env['PATH']}"}
-    sh([DVC, "exp", "run", "--run-all"], repo, activated)
-    shown = exp_metrics(repo, env)
-    (name,) = [n for n, m in shown.items() if m["iterations"] == 6]
-    (run,) = mlflow_runs_of_experiment(repo, name)
-    assert run.info.status == "FINISHED" and run.data.metrics["eval/final/acc"] == shown[name]["final"]["acc"]
-
-
 def test_the_readmes_experiment_commands_as_written(repo):
     """README's experiments block, line for line in the checkout's copy (the venv activated where it says so):
     an experiment, a queued one run by the queue, the table, the metrics diff, then the plots of HEAD against
@@ -314,6 +298,11 @@ def test_the_readmes_experiment_commands_as_written(repo):
     made = {n: m for n, m in shown.items() if n not in before}
     assert sorted(m["iterations"] for m in made.values()) == [4, 150], made  # the --temp one, the queued one
     assert all(name in res.stdout for name in made) and "…" not in res.stdout  # exp show's table, whole
+    for name in made:  # each trained in a copy of its own (the queue's by its worker, started as `dvc` from
+        (run,) = mlflow_runs_of_experiment(repo, name)  # the activated venv), logged to the checkout's store
+        assert (
+            run.info.status == "FINISHED" and run.data.metrics["eval/final/acc"] == made[name]["final"]["acc"]
+        )
     (first,) = [n for n, m in made.items() if m["iterations"] == 4]
     res = subprocess.run(
         ["bash", "-c", as_script(plots, experiment=first)], cwd=repo, env=env, capture_output=True, text=True
