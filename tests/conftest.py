@@ -89,6 +89,20 @@ def arith_rows(count: int) -> list[dict]:
     ]
 
 
+def refused_in_one_line(args: list[str], **run) -> str:
+    """`python -m flows.cli <args>` in a child process (subprocess.run's `run` keywords: cwd, env): it must
+    stop with exit 2 and one line on stderr, no traceback. That line."""
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, timeout=300, **run
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines() == [res.stderr.strip()]
+    return res.stderr
+
+
 def descendants(text: str, pid: int | None = None, recursive: bool = True) -> list:
     """The live descendants (or children) of `pid` (this process) whose command line holds `text`. A child
     that exits while we look, or is a zombie awaiting its parent, is not one (psutil raises for those)."""

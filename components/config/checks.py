@@ -32,21 +32,18 @@ def config_value(cfg, dotted: str):
     return node
 
 
-def path_problems(cfg: Config) -> list[str]:
-    """Each contained path that escapes trainer.run_dir (by `..`, an absolute path or a symlink), with the fix.
+def path_problems(cfg: Config, keys: tuple[str, ...] = CONTAINED_PATHS) -> list[str]:
+    """Each path of `keys` that escapes trainer.run_dir (by `..`, an absolute path or a symlink), with the fix.
     Only resolves names; nothing is created or written."""
     problems = [
-        escape_problem(key, config_value(cfg, key), cfg.trainer.run_dir, key in OUTPUT_DIRS)
-        for key in CONTAINED_PATHS
+        escape_problem(key, config_value(cfg, key), cfg.trainer.run_dir, key in OUTPUT_DIRS) for key in keys
     ]
     return [p for p in problems if p]
 
 
 def check_contained(cfg: Config, *keys: str) -> None:
     """ConfigError naming each of `keys` (paths a stage is about to write) that escapes trainer.run_dir."""
-    problems = [escape_problem(key, config_value(cfg, key), cfg.trainer.run_dir) for key in keys]
-    problems = [p for p in problems if p]
-    if problems:
+    if problems := path_problems(cfg, keys):
         raise ConfigError("; ".join(problems))
 
 

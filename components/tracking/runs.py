@@ -15,10 +15,9 @@ What a run does with trainer.resume_mode=auto (plan_run): continue the newest ru
 it is unfinished; extend it when it finished and trainer.iterations asks for more; train a new run when it
 asks for fewer iterations than that run has; refuse when it asks for as many as a finished run already did
 (nothing to train), unless trainer.when_finished=retrain (a deployment's or the nightly's run), which trains a
-new run then. A run
-another process is training now (its run directory's lock held: components/locking.py) is never continued:
-the new run trains in a directory of its own. `disable` starts a new run directory; a checkpoint path
-continues that checkpoint, checked like `auto`.
+new run then. A run another process is training now (its run directory's lock held: components/locking.py)
+is never continued: the new run trains in a directory of its own. `disable` starts a new run directory; a
+checkpoint path continues that checkpoint, checked like `auto`.
 """
 
 from __future__ import annotations

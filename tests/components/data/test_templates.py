@@ -4,8 +4,6 @@ or fails is one line naming the directory."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 import time
 import tracemalloc
 
@@ -16,6 +14,7 @@ from components.data.prompts import render_prompt
 from components.errors import ConfigError
 from components.models.loading import load_tokenizer
 from components.settings import PromptSettings
+from tests.conftest import refused_in_one_line
 
 HOSTILE = {
     "nested loops printing nothing": "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}"
@@ -79,22 +78,5 @@ def test_the_command_names_a_model_directorys_hostile_template_in_one_line(tiny_
     d = tmp_path / "model"
     shutil.copytree(tiny_model_dir, d)
     (d / "chat_template.jinja").write_text(HOSTILE["nested loops printing nothing"])
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flows.cli",
-            "generate",
-            "--model_path",
-            str(d),
-            "--apply-chat-template",
-            "true",
-            "1+1=",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
-    assert res.stderr.strip().splitlines() == [res.stderr.strip()]
-    assert f"error: the chat template of {d} ran for more than" in res.stderr
+    err = refused_in_one_line(["generate", "--model_path", str(d), "--apply-chat-template", "true", "1+1="])
+    assert f"error: the chat template of {d} ran for more than" in err
