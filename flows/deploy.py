@@ -61,6 +61,12 @@ class Pipeline(BaseModel):
         description="at most this many runs at once; the others wait for a slot (Prefect's own limit)",
     )
     parameters: dict[str, Any] = Field(default_factory=dict, description="extra flow parameters")
+    inputs: str | None = Field(
+        None,
+        description="the DVC stage whose outputs the flow reads (dvc.yaml:sft: the data and SFT model); a "
+        "work pool's worker that clones the code (reinforge deploy --source) takes them with `dvc repro --pull` "
+        "before each run",
+    )
     notify: Notify | None = Field(
         None,
         description="a webhook told when a run fails or the nightly does not promote its model (Prefect "
@@ -79,6 +85,16 @@ class Pipeline(BaseModel):
         if not resolved.is_file():
             raise ValueError(f"{config!r} is not a file in the project")
         return config
+
+    @field_validator("inputs")
+    @classmethod
+    def inputs_in_the_project(cls, inputs: str | None) -> str | None:
+        if inputs is None:
+            return None
+        file = inputs.rpartition(":")[0] or inputs  # dvc.yaml:sft, or a whole file
+        if not (PROJECT_ROOT / file).is_file():
+            raise ValueError(f"{inputs!r} names no DVC file of the project (dvc.yaml:sft, vlm/dvc.yaml:sft)")
+        return inputs
 
     @model_validator(mode="after")
     def overrides_are_a_list(self) -> Pipeline:
@@ -220,14 +236,31 @@ def to_deployments(pipelines: list[Pipeline]) -> list:
     return [flow_of(p).to_deployment(**deployment_options(p)) for p in pipelines]
 
 
-def source_of(source: str | None, branch: str | None = None):
+def source_of(source: str | None, branch: str | None = None, inputs: str | None = None):
     """Where a work pool's worker gets the code: a git repository it clones (a URL; `branch`, else the
-    repository's default), or, with no source, this checkout's directory (a worker on this machine)."""
+    repository's default), then the DVC outputs the flow reads (`inputs`, taken from the DVC remote or made);
+    or, with no source, this checkout's directory (a worker on this machine, its outputs in place)."""
     if not source:
         return str(PROJECT_ROOT)
     from prefect.runner.storage import GitRepository
 
-    return GitRepository(url=source, branch=branch, pull_interval=None)
+    class CodeAndData(GitRepository):
+        """A git clone, then `dvc repro --pull <inputs>` in it: a clone holds the code and dvc.lock, not the
+        data and SFT model DVC tracks."""
+
+        def to_pull_step(self) -> list[dict[str, Any]]:
+            clone = super().to_pull_step()
+            clone["prefect.deployments.steps.git_clone"]["id"] = "clone"
+            if not inputs:
+                return [clone]
+            data = {
+                "script": f"dvc repro --pull {inputs}",
+                "directory": "{{ clone.directory }}",
+                "stream_output": True,
+            }
+            return [clone, {"prefect.deployments.steps.run_shell_script": data}]
+
+    return CodeAndData(url=source, branch=branch, pull_interval=None)
 
 
 def deploy(
@@ -245,7 +278,8 @@ def deploy(
             configure_notifications(p.name, flow_of(p).name, p.notify)
     if work_pool:
         for p in pipelines:
-            src = flow_of(p).from_source(source=source_of(source, branch), entrypoint=entrypoint(p))
+            code = source_of(source, branch, p.inputs)
+            src = flow_of(p).from_source(source=code, entrypoint=entrypoint(p))
             src.deploy(work_pool_name=work_pool, build=False, push=False, **deployment_options(p))
         return names
     deployments = to_deployments(pipelines)

@@ -55,6 +55,7 @@ def make_model(tokenizer, seed: int = 0, hidden: int = 32):
 
 # the files that take longest (end-to-end runs, most of them several processes each), in order
 LONGEST_FIRST = (
+    "tests/docs/test_doc_runs.py",  # the docs' pipeline blocks, one after another in one checkout (~8 min)
     "tests/flows/test_multi_worker.py",  # the two-node cluster: the longest single test (~4 min)
     "tests/flows/test_dvc.py",
     "tests/flows/test_faults.py",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from components.env import MLFLOW_ARTIFACTS, PROJECT_ROOT, default_tracking_uri, dvc_experiment
+from components.locking import exclusive
 
 # on a logged model: whether its held-out figures are linked to it, and where they are when they are not
 EVALUATION_TAG = "reinforge.evaluation"
@@ -54,12 +56,34 @@ def git_commit(root: Path = PROJECT_ROOT) -> str:
         return "unknown"
 
 
+@contextmanager
+def store_ready(uri: str):
+    """Hold the block under a lock beside a SQLite store (`mlflow.db.lock`), the store's tables made first.
+    MLflow makes a new SQLite file's tables as it first opens it: two runs started at once in a fresh checkout
+    (two triggered deployment runs) both did, and one failed ("duplicate column name: step"); both would also
+    create the same experiment. Other stores (a server) serialise their own writes."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(uri[len("sqlite:///") :])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive(db.with_name(db.name + ".lock"), f"opening the MLflow store {db}", wait_s=300):
+        client = MlflowClient(uri, registry_uri=uri)
+        client.search_experiments(max_results=1)  # the tracking tables
+        client.search_registered_models(max_results=1)  # and the registry's
+        yield
+
+
 def setup(experiment: str, root: Path | None = None) -> str:
     """Point MLflow at the tracking URI and make sure the experiment exists; returns its id."""
     uri = default_tracking_uri(root)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
-    client = MlflowClient(uri, registry_uri=uri)
+    with store_ready(uri):
+        return _experiment(MlflowClient(uri, registry_uri=uri), experiment, uri)
+
+
+def _experiment(client: MlflowClient, experiment: str, uri: str) -> str:
     exp = client.get_experiment_by_name(experiment)
     if exp is not None:
         if EXPERIMENT_KIND not in exp.tags:  # made by an older version, or by hand

@@ -21,7 +21,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from components.errors import ReinforgeError
-from components.tracking.mlflow_tracker import default_tracking_uri
+from components.tracking.mlflow_tracker import default_tracking_uri, store_ready
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 ACC, EVAL_SET = "eval_acc", "eval_set"
@@ -34,7 +34,8 @@ def _client() -> MlflowClient:
     # MLflow's registry resolves `models:/<id>` sources with a client of the global URIs
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
-    return MlflowClient(uri, registry_uri=uri)
+    with store_ready(uri):
+        return MlflowClient(uri, registry_uri=uri)
 
 
 def download_version(name: str, version: str, dst: str | Path) -> Path:

@@ -1,6 +1,7 @@
-"""The deployment quick start, as the README writes it, on a real Prefect server: `reinforge deploy` serves the
-pipelines, `prefect deployment run` triggers one, and Prefect's own `prefect deploy --all` reads prefect.yaml;
-and production's shape: a work pool's worker runs deployments cloned from git, one at a time.
+"""Deployments on a real Prefect server (README's block itself runs as written in tests/docs/test_doc_runs.py):
+`reinforge deploy` serves the pipelines, `prefect deployment run` triggers one, and Prefect's own `prefect
+deploy --all` reads prefect.yaml; and production's shape: a work pool's worker runs deployments cloned from
+git, one at a time.
 
 A training deployment runs again with its own defaults (each run trains a new run: trainer.when_finished=retrain
 is in its parameters), and a run that fails on a user's error says so in one line of its logs, no traceback."""
@@ -104,20 +105,6 @@ def _deployment(client, name):
         return client.read_deployment_by_name(name)
     except ObjectNotFound:
         return None
-
-
-def test_a_served_training_deployment_runs(served):
-    """The README's quick start completes a run; a second run of a deployment trains a run of its own:
-    test_a_work_pools_worker_runs_a_deployment_cloned_from_git_one_run_at_a_time."""
-    from mlflow.tracking import MlflowClient
-
-    client, root, _ = served
-    state = final_state(client, flow_run_of(client, "rl-train/small"))
-    assert state.type.value == "COMPLETED", state.message
-    assert len(list((root / "grpo" / "runs").iterdir())) == 1
-    store = MlflowClient(f"sqlite:///{root}/m.db")
-    mlflow_runs = store.search_runs([store.get_experiment_by_name("e2e").experiment_id])
-    assert [r.info.status for r in mlflow_runs] == ["FINISHED"]
 
 
 def test_overlapping_runs_of_a_deployment_and_a_shorter_one_after_them_each_train_a_run_of_their_own(served):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.docs.checkout import set_keys
 from tests.flows.conftest import small_overrides
 
 pytestmark = pytest.mark.slow
@@ -26,16 +27,6 @@ def sh(cmd: list[str], cwd: Path, env: dict, stdout_only: bool = False) -> str:
     res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, f"{cmd} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     return res.stdout if stdout_only else res.stdout + res.stderr
-
-
-def set_keys(cfg: dict, overrides: list[str]) -> None:
-    for item in overrides:
-        key, value = item.split("=", 1)
-        *parents, leaf = key.split(".")
-        node = cfg
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(value)
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +271,7 @@ def test_the_readmes_experiment_commands_as_written(repo):
     """README's experiments block, line for line in the checkout's copy (the venv activated where it says so):
     an experiment, a queued one run by the queue, the table, the metrics diff, then the plots of HEAD against
     the first experiment (its name put for `<experiment>`)."""
-    from tests.docs.test_doc_blocks import as_script, marked
+    from tests.docs.blocks import as_script, marked
 
     repo, env = repo
     *lines, plots = marked("test_the_readmes_experiment_commands_as_written").body.strip().splitlines()
