@@ -7,9 +7,17 @@ pydantic error into one that names the key and the fix.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from components.config.names import SCORER_NAMES, TOOL_NAMES, installed
 
@@ -394,6 +402,26 @@ class ImageProcessorConfig(Section):
     crop: bool = Field(True, description="resize the short side, then center-crop a square; false = squash")
 
 
+def check_reasoning_gym_tasks(tasks: dict[str, dict[str, Any]]) -> None:
+    """ValueError (the config's error: it names the key) for an unknown task, listing the valid ones, or a
+    setting the task refuses."""
+    import reasoning_gym
+
+    if not tasks:
+        raise ValueError(
+            "data.task=reasoning_gym needs data.reasoning_gym: a mapping of task name to settings, e.g. "
+            "data.reasoning_gym='{chain_sum: {max_terms: 2}}'"
+        )
+    known = sorted(reasoning_gym.factory.DATASETS)
+    for name, settings in tasks.items():
+        if name not in known:
+            raise ValueError(f"{name}: no such reasoning-gym task; valid tasks: {', '.join(known)}")
+        try:
+            reasoning_gym.create_dataset(name, size=1, seed=0, **(settings or {}))
+        except (TypeError, ValueError, AssertionError) as exc:
+            raise ValueError(f"{name}: {exc}") from None
+
+
 class DataConfig(Section):
     train_path: str = Field("data/clean/train.parquet", description="cleaned training parquet")
     eval_path: str = Field("data/clean/test.parquet", description="cleaned held-out parquet")
@@ -422,10 +450,17 @@ class DataConfig(Section):
     gsm8k_test_path: str | None = Field(
         None, description="local GSM8K test file; None = hold out data.num_eval seeded rows of gsm8k_path"
     )
-    task: Literal["arith", "arith_tool", "visual_count"] = Field(
+    task: Literal["arith", "arith_tool", "visual_count", "reasoning_gym"] = Field(
         "arith",
         description="generated task; arith_tool: SFT answers that call the calculator (multi_turn); "
-        "visual_count: count the shapes in an image (actor.model.type=multimodal)",
+        "visual_count: count the shapes in an image (actor.model.type=multimodal); reasoning_gym: the tasks "
+        "data.reasoning_gym names",
+    )
+    reasoning_gym: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="data.task=reasoning_gym: reasoning-gym task name -> its settings (e.g. {chain_sum: "
+        "{max_terms: 2}}); data.num_train and data.num_eval are shared out among them, each generated "
+        "locally from trainer.seed and scored by the task's own score_answer",
     )
     image_processor: ImageProcessorConfig = Field(
         default_factory=lambda: ImageProcessorConfig(), description="how images become pixels"
@@ -443,6 +478,13 @@ class DataConfig(Section):
         le=1,
         description="arith_tool: share of SFT answers that call the calculator (the rest answer directly)",
     )
+
+    @field_validator("reasoning_gym")
+    @classmethod
+    def _reasoning_gym_tasks(cls, tasks: dict, info: ValidationInfo) -> dict:
+        if info.data.get("task") == "reasoning_gym":
+            check_reasoning_gym_tasks(tasks)
+        return tasks
 
 
 class SFTConfig(Section):

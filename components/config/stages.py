@@ -47,6 +47,7 @@ STAGES: dict[str, StageKeys] = {
             "data.gsm8k_path",
             "data.gsm8k_test_path",
             "data.task",
+            "data.reasoning_gym",
             "data.tool_sft_fraction",
             "data.max_count",
             "data.llava_path",

@@ -3,7 +3,8 @@
 A scorer is a plain function `(response_text, ground_truth, extra_info) -> float`, or a dict with `score` and
 named sub-scores (numbers, logged as `reward/<name>/mean`). Which scorer a row gets, first match wins:
 `custom_reward_function.path` (every row), `reward_model.sources[data_source]` (a name in SCORERS),
-REWARDS[data_source] (the built-in default of a source), `reward_model.default_scorer`; else a KeyError.
+REWARDS[data_source] (the built-in default of a source), FAMILIES (a suite's sources by prefix:
+`reasoning_gym/<task>`), `reward_model.default_scorer`; else a ConfigError.
 """
 
 from __future__ import annotations
@@ -73,6 +74,20 @@ REWARDS: dict[str, Callable[[Config], Scorer]] = {
 }
 
 
+def _reasoning_gym(cfg: Config, data_source: str) -> Scorer:
+    from components.data import reasoning_gym
+
+    return partial(
+        reasoning_gym.score, data_source=data_source, tasks=cfg.data.reasoning_gym, seed=cfg.trainer.seed
+    )
+
+
+# data_source prefix -> factory(config, data_source) -> scorer: families of sources, one per task of a suite
+FAMILIES: dict[str, Callable[[Config, str], Scorer]] = {
+    "reasoning_gym/": _reasoning_gym,
+}
+
+
 def scorer_for(data_source: str, cfg: Config) -> Scorer:
     rm = cfg.reward_model
     if cfg.custom_reward_function.path:
@@ -89,6 +104,9 @@ def scorer_for(data_source: str, cfg: Config) -> Scorer:
         return SCORERS[name](cfg)
     if data_source in REWARDS:
         return REWARDS[data_source](cfg)
+    family = next((f for prefix, f in FAMILIES.items() if data_source.startswith(prefix)), None)
+    if family is not None:
+        return family(cfg, data_source)
     if rm.default_scorer is not None:
         return SCORERS[rm.default_scorer](cfg)
     raise ConfigError(
