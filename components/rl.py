@@ -59,6 +59,12 @@ def score_responses(
     scores, valid, subs = score(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"])
     s = torch.tensor(scores, dtype=torch.float32)
     metrics = {f"reward/{name}/mean": float(torch.tensor(v).nanmean()) for name, v in subs.items()}
+    if "env_reward" in batch.tensors:  # an episode's environment gave its reward: it replaces the scorer's
+        given = ~torch.isnan(batch.tensors["env_reward"])
+        s = torch.where(given, batch.tensors["env_reward"], s)
+        valid = [ok or bool(g) for ok, g in zip(valid, given.tolist())]
+        if given.any():
+            metrics["reward/env/mean"] = float(batch.tensors["env_reward"][given].mean())
     if model_scores is not None:
         from components.rewards.registry import usable_reward
 

@@ -114,6 +114,7 @@ class MultiTurnSettings:
     max_tool_chars: int
     sandbox_limits: SandboxLimits | None = None  # for the python tool
     concurrency: int = 2
+    env: str = "tools"  # the environment each sample is an episode of (components/envs ENVS)
 
     @classmethod
     def from_config(cls, cfg: Config) -> MultiTurnSettings | None:
@@ -126,6 +127,7 @@ class MultiTurnSettings:
             m.max_tool_response_chars,
             SandboxLimits.from_config(cfg.sandbox),
             cfg.sandbox.concurrency,
+            m.env,
         )
 
 

@@ -12,6 +12,9 @@ SCORER_NAMES = ("code", "countdown", "gsm8k", "math")
 # components/rollout/tools.py TOOLS: multi_turn.tools
 TOOL_NAMES = ("calculator", "python")
 
+# components/envs ENVS: multi_turn.env
+ENV_NAMES = ("tools",)
+
 # components/training/backends.py BACKENDS: the trainer.backend values whose workers are Ray actors (Ray is
 # started, or RAY_ADDRESS's cluster checked, for them alone)
 RAY_BACKENDS = ("ray",)

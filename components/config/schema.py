@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from components.config.names import SCORER_NAMES, TOOL_NAMES, installed
+from components.config.names import ENV_NAMES, SCORER_NAMES, TOOL_NAMES, installed
 
 
 class Section(BaseModel):
@@ -334,9 +334,15 @@ class RewardConfig(Section):
 
 
 class MultiTurnConfig(Section):
-    """Multi-turn rollouts with hermes-style tool calls (components/rollout/multi_turn.py)."""
+    """Multi-turn rollouts: episodes of an environment (components/envs), hermes-style tool calls by default
+    (components/rollout/multi_turn.py)."""
 
     enable: bool = Field(False, description="let the model call tools between turns")
+    env: str = Field(
+        "tools",
+        description="the environment each sample is an episode of (components/envs ENVS): tools = the tools "
+        "of multi_turn.tools answer the model's calls",
+    )
     max_turns: int = Field(
         2, ge=1, description="assistant turns per sample (a call in the last one is not run)"
     )
@@ -347,6 +353,10 @@ class MultiTurnConfig(Section):
 
     @model_validator(mode="after")
     def _known_tools(self) -> MultiTurnConfig:
+        if self.env not in ENV_NAMES:
+            raise ValueError(
+                f"multi_turn.env={self.env!r}: no such environment; valid: {', '.join(ENV_NAMES)}"
+            )
         unknown = [t for t in self.tools if t not in TOOL_NAMES]
         if unknown:
             raise ValueError(

@@ -1,8 +1,9 @@
-"""Multi-turn rollouts with tool calls: generate, run the called tool, append its output as a tool turn,
-generate again, up to `max_turns` assistant turns per sample.
+"""Multi-turn rollouts: each sample is an episode of an environment (components/envs). Generate a turn, give
+it to the environment, append its observation (a tool's output, a game's next move) as a message of its role,
+generate again, up to `max_turns` assistant turns per sample. Tool calling is the `tools` environment.
 
-Only model-generated tokens are trained on: the returned `response_mask` is 1 on them and 0 on tool turns,
-while `attention_mask` (1 on every response token) is what the model sees in later forward passes.
+Only model-generated tokens are trained on: the returned `response_mask` is 1 on them and 0 on observation
+turns, while `attention_mask` (1 on every response token) is what the model sees in later forward passes.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from components.data import templates
+from components.envs.base import Environment, checked_reward
+from components.errors import RewardError
 from components.rollout.base import RolloutOutput
-from components.rollout.tools import CALL_CLOSE, TOOLS, ToolError, parse_tool_call
+from components.rollout.tools import CALL_CLOSE, TOOLS
 from components.seeding import derive_seed
 from components.settings import SamplingParams
 
@@ -22,14 +25,24 @@ _MARK = "\u2063ASSISTANT\u2063"  # a placeholder no real answer contains
 
 @dataclass
 class MultiTurnOutput:
-    """out: responses (N, R) with tool turns inside, response_mask (N, R) 1 on model tokens only, logprobs (N, R);
-    attention_mask (N, R) 1 on every response token; num_turns, tool_calls, tool_errors (N,) per sample."""
+    """out: responses (N, R) with observation turns inside, response_mask (N, R) 1 on model tokens only,
+    logprobs (N, R); attention_mask (N, R) 1 on every response token; num_turns (N,); counts: name -> (N,) the
+    environments' counters summed per episode; rewards (N,) the environments' rewards, NaN where an episode
+    has none (its data_source scorer scores it)."""
 
     out: RolloutOutput
     attention_mask: torch.Tensor
     num_turns: torch.Tensor
-    tool_calls: torch.Tensor
-    tool_errors: torch.Tensor
+    counts: dict[str, torch.Tensor]
+    rewards: torch.Tensor
+
+    @property
+    def tool_calls(self) -> torch.Tensor:
+        return self.counts.get("tool_calls", torch.zeros_like(self.num_turns))
+
+    @property
+    def tool_errors(self) -> torch.Tensor:
+        return self.counts.get("tool_errors", torch.zeros_like(self.num_turns))
 
 
 def make_tools(names: list[str], sandbox_limits=None, concurrency: int = 2) -> dict:
@@ -41,15 +54,16 @@ def make_tools(names: list[str], sandbox_limits=None, concurrency: int = 2) -> d
     return tools
 
 
-def tool_turn_text(tokenizer, result: str, after_eos: bool) -> str:
+def tool_turn_text(tokenizer, result: str, after_eos: bool, role: str = "tool") -> str:
     """The text the chat template puts between the end of an assistant turn and the next assistant turn, with
-    the tool's output as a `tool` message (Qwen2.5: `<|im_end|>\\n<|im_start|>user\\n<tool_response>...`). When
-    the assistant turn already ended with EOS, a leading EOS in that text is not repeated."""
+    an observation as a message of `role` (a tool's output, Qwen2.5: `<|im_end|>\\n<|im_start|>user\\n
+    <tool_response>...`; a game's next move, `user`). When the assistant turn already ended with EOS, a leading
+    EOS in that text is not repeated."""
     user = [{"role": "user", "content": "q"}]
     before = templates.render(tokenizer, user, add_generation_prompt=True)
     full = templates.render(
         tokenizer,
-        user + [{"role": "assistant", "content": _MARK}, {"role": "tool", "content": result}],
+        user + [{"role": "assistant", "content": _MARK}, {"role": role, "content": result}],
         add_generation_prompt=True,
     )
     if not full.startswith(before + _MARK):
@@ -68,6 +82,16 @@ def single_token(tokenizer, text: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
+def first_messages(rows: list[dict], envs: list[Environment], n: int, seed: int) -> list[dict]:
+    """The rows with each one's prompt replaced by the first messages its episodes' environments give on reset
+    (envs[i*n + j] plays sample j of row i; all n get the row and the group's seed, so they start alike)."""
+    out = []
+    for i, row in enumerate(rows):
+        given = [envs[i * n + j].reset(row, derive_seed(seed, "episode", i)) for j in range(n)]
+        out.append(row if given[0] is None else {**row, "prompt": given[0]})
+    return out
+
+
 def multi_turn_generate(
     engine,
     tokenizer,
@@ -78,10 +102,28 @@ def multi_turn_generate(
     max_turns: int,
     max_tool_chars: int = 256,
 ) -> MultiTurnOutput:
-    """params.n samples per prompt (row i*n + j is sample j of prompt i), each up to max_turns assistant turns
-    of at most params.max_new_tokens tokens. A turn that ends in a tool call (`</tool_call>` stops a turn
-    when it is one token) runs the tool; its output (or the error, counted in tool_errors) is cut to
-    max_tool_chars and appended as a tool turn. A call in the last turn is not run."""
+    """Tool calling: play_episodes with a `tools` environment per sample."""
+    from components.envs.tools import ToolEnv
+
+    envs = [ToolEnv(tools) for _ in range(len(prompts) * params.n)]
+    return play_episodes(engine, tokenizer, prompts, params, seed, envs, max_turns, max_tool_chars)
+
+
+def play_episodes(
+    engine,
+    tokenizer,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    seed: int,
+    envs: list[Environment],
+    max_turns: int,
+    max_obs_chars: int = 256,
+    env_name: str = "tools",
+) -> MultiTurnOutput:
+    """params.n samples per prompt (row i*n + j is sample j of prompt i, played by envs[i*n + j]), each up to
+    max_turns assistant turns of at most params.max_new_tokens tokens. A turn stops at EOS, or at
+    `</tool_call>` when that is one token; the environment's observation, cut to max_obs_chars, is appended
+    as a turn of its role. The episode ends when the environment says so or the turns run out."""
     eos = tokenizer.eos_token_id
     close = single_token(tokenizer, CALL_CLOSE)
     turn_params = replace(params, n=1, stop_token_ids=(close,) if close is not None else ())
@@ -90,7 +132,9 @@ def multi_turn_generate(
     tokens: list[list[int]] = [[] for _ in range(n_rows)]
     loss: list[list[int]] = [[] for _ in range(n_rows)]
     logps: list[list[float]] = [[] for _ in range(n_rows)]
-    turns, calls, errors = [0] * n_rows, [0] * n_rows, [0] * n_rows
+    turns = [0] * n_rows
+    counts: dict[str, list[float]] = {}
+    rewards = [float("nan")] * n_rows
     active, version = list(range(n_rows)), engine.weights_version
     for turn in range(max_turns):
         if not active:
@@ -107,26 +151,22 @@ def multi_turn_generate(
             contexts[i] += new
             turns[i] += 1
             try:
-                call = parse_tool_call(tokenizer.decode(new, skip_special_tokens=False))
-            except ToolError as exc:
-                call, result = None, f"error: {exc}"
-                errors[i] += 1
-                if turn < max_turns - 1:  # a malformed call is answered with the error, so it can be fixed
-                    call = ("", {})
-            if call is None or turn == max_turns - 1:
+                step = envs[i].step(tokenizer.decode(new, skip_special_tokens=False), turn == max_turns - 1)
+            except Exception as exc:  # the environment's bug, not the run's: one line naming where
+                raise RewardError(
+                    f"environment {env_name}, episode {i}, turn {turn + 1}: step raised {exc!r}"
+                ) from exc
+            for name, value in step.counts.items():
+                counts.setdefault(name, [0.0] * n_rows)[i] += value
+            reward = checked_reward(env_name, i, step.reward)
+            if reward is not None:
+                rewards[i] = reward
+            if step.ends or turn == max_turns - 1:
                 continue
-            name, arguments = call
-            if name:
-                calls[i] += 1
-                try:
-                    if name not in tools:
-                        raise ToolError(f"unknown tool {name!r}; tools: {', '.join(sorted(tools))}")
-                    result = tools[name](arguments)
-                except ToolError as exc:
-                    result = f"error: {exc}"
-                    errors[i] += 1
             delta = tokenizer(
-                tool_turn_text(tokenizer, result[:max_tool_chars], bool(new) and new[-1] == eos),
+                tool_turn_text(
+                    tokenizer, step.observation[:max_obs_chars], bool(new) and new[-1] == eos, step.role
+                ),
                 add_special_tokens=False,
             )["input_ids"]
             tokens[i] += delta
@@ -150,8 +190,8 @@ def multi_turn_generate(
         RolloutOutput(responses, response_mask, logprobs, version),
         attention,
         torch.tensor(turns, dtype=torch.float32),
-        torch.tensor(calls, dtype=torch.float32),
-        torch.tensor(errors, dtype=torch.float32),
+        {name: torch.tensor(values, dtype=torch.float32) for name, values in counts.items()},
+        torch.tensor(rewards, dtype=torch.float32),
     )
 
 

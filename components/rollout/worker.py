@@ -14,7 +14,7 @@ from components.data.prompts import encode_prompts
 from components.models.loading import load_image_encoder, load_tokenizer
 from components.rollout.base import PromptImages, RolloutOutput, continue_samples, make_engine
 from components.rollout.batching import rollout_batch
-from components.rollout.multi_turn import make_tools, multi_turn_generate
+from components.rollout.multi_turn import first_messages, make_tools, play_episodes
 from components.seeding import derive_seed
 from components.settings import (
     EngineOptions,
@@ -60,11 +60,12 @@ class RolloutWorker:
             key=key,
         )
         self.multi_turn = multi_turn
-        self.tools = (
-            make_tools(list(multi_turn.tools), multi_turn.sandbox_limits, multi_turn.concurrency)
-            if multi_turn
-            else {}
-        )
+        self.tools, self.episodes = {}, None  # the tools real models see; a new environment per episode
+        if multi_turn:
+            from components.envs.base import episode_factory
+
+            self.tools = make_tools(list(multi_turn.tools), multi_turn.sandbox_limits, multi_turn.concurrency)
+            self.episodes = episode_factory(multi_turn.env, self.tools)
         if lora is not None and model is None:  # a colocated engine samples with the policy's own adapters
             self.engine.use_adapters(lora)
         self.partial = partial
@@ -157,18 +158,23 @@ class RolloutWorker:
     ) -> Batch:
         """The rollout, with the weights the engine holds (the caller holds the engine)."""
         self.engine.wake()
+        envs = None
+        if self.multi_turn:  # each sample an episode; an environment may give a row's first messages itself
+            envs = [self.episodes() for _ in range(len(rows) * params.n)]
+            rows = first_messages(rows, envs, params.n, seed)
         prompt_ids, images = self.encode(rows)
         continued = torch.zeros(len(rows) * params.n, dtype=torch.bool)
-        if self.multi_turn:
-            mt = multi_turn_generate(
+        if envs is not None:
+            mt = play_episodes(
                 self.engine,
                 self.tokenizer,
                 prompt_ids,
                 params,
                 seed,
-                self.tools,
+                envs,
                 self.multi_turn.max_turns,
                 self.multi_turn.max_tool_chars,
+                self.multi_turn.env,
             )
             batch = rollout_batch(rows, prompt_ids, mt.out, params.n, self.tokenizer.pad_token_id, iteration)
             batch = batch.union(
@@ -176,6 +182,7 @@ class RolloutWorker:
                 num_turns=mt.num_turns,
                 tool_calls=mt.tool_calls,
                 tool_errors=mt.tool_errors,
+                env_reward=mt.rewards,
             )
         elif self.partial and iteration >= 0 and images is None:
             out, continued = self.sample_partial(prompt_ids, params, seed)

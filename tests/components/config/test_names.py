@@ -11,6 +11,9 @@ def test_scorer_names_are_the_registered_scorers():
 
 def test_tool_names_are_the_registered_tools():
     assert tuple(sorted(TOOLS.names())) == names.TOOL_NAMES
+    from components.envs.base import ENVS
+
+    assert tuple(sorted(ENVS)) == names.ENV_NAMES
 
 
 def test_every_engine_with_a_package_is_an_engine_type():
