@@ -115,6 +115,7 @@ class MultiTurnSettings:
     sandbox_limits: SandboxLimits | None = None  # for the python tool
     concurrency: int = 2
     env: str = "tools"  # the environment each sample is an episode of (components/envs ENVS)
+    game: str = "GuessTheNumber-v0"  # env=textarena: the game's env id
 
     @classmethod
     def from_config(cls, cfg: Config) -> MultiTurnSettings | None:
@@ -128,6 +129,7 @@ class MultiTurnSettings:
             SandboxLimits.from_config(cfg.sandbox),
             cfg.sandbox.concurrency,
             m.env,
+            m.game,
         )
 
 

@@ -341,7 +341,10 @@ class MultiTurnConfig(Section):
     env: str = Field(
         "tools",
         description="the environment each sample is an episode of (components/envs ENVS): tools = the tools "
-        "of multi_turn.tools answer the model's calls",
+        "of multi_turn.tools answer the model's calls; textarena = a game of multi_turn.game",
+    )
+    game: str = Field(
+        "GuessTheNumber-v0", description="multi_turn.env=textarena: the TextArena game's env id"
     )
     max_turns: int = Field(
         2, ge=1, description="assistant turns per sample (a call in the last one is not run)"

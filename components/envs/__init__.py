@@ -1,4 +1,4 @@
 """Environments: single- and multi-turn episodes the rollout plays (components/envs/base.py). Importing the
 package registers the built-in ones in ENVS."""
 
-from components.envs import tools  # noqa: F401  (registers `tools`)
+from components.envs import textarena, tools  # noqa: F401  (registers `textarena` and `tools`)

@@ -8,7 +8,7 @@ episode (`tool_calls`, `tool_errors`, ...). The rollout appends each observation
 masked out of every loss: only the model's tokens are trained on.
 
 Environments are chosen by name (`multi_turn.env`) from ENVS; each name maps to a factory of the run's
-typed settings that returns a new environment per episode.
+typed settings (MultiTurnSettings) and its tools that returns a new environment per episode.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ class Environment(Protocol):
     def step(self, text: str, last_turn: bool) -> Step: ...
 
 
-# env name -> factory(settings) -> a new environment per episode
-ENVS: dict[str, Callable[[Any], Callable[[], Environment]]] = {}
+# env name -> factory(settings, tools) -> a new environment per episode
+ENVS: dict[str, Callable[[Any, dict], Callable[[], Environment]]] = {}
 
 
 def register(name: str):
@@ -54,11 +54,11 @@ def register(name: str):
     return put
 
 
-def episode_factory(name: str, settings: Any) -> Callable[[], Environment]:
+def episode_factory(name: str, settings: Any = None, tools: dict | None = None) -> Callable[[], Environment]:
     """The factory of environment `name` (ValueError naming multi_turn.env and the valid names)."""
     if name not in ENVS:
         raise ValueError(f"multi_turn.env={name!r}: no such environment; valid: {', '.join(sorted(ENVS))}")
-    return ENVS[name](settings)
+    return ENVS[name](settings, tools or {})
 
 
 def checked_reward(env: str, episode: int, reward: float | None) -> float | None:

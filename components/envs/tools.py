@@ -35,6 +35,6 @@ class ToolEnv:
 
 
 @register("tools")
-def tools_env(tools: dict):
+def tools_env(settings, tools: dict):
     """multi_turn.env=tools: the tools of multi_turn.tools, shared by every episode (they keep no state)."""
     return lambda: ToolEnv(tools)

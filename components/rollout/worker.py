@@ -65,7 +65,7 @@ class RolloutWorker:
             from components.envs.base import episode_factory
 
             self.tools = make_tools(list(multi_turn.tools), multi_turn.sandbox_limits, multi_turn.concurrency)
-            self.episodes = episode_factory(multi_turn.env, self.tools)
+            self.episodes = episode_factory(multi_turn.env, multi_turn, self.tools)
         if lora is not None and model is None:  # a colocated engine samples with the policy's own adapters
             self.engine.use_adapters(lora)
         self.partial = partial

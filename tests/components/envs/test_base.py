@@ -62,11 +62,13 @@ def test_an_episode_appends_each_observation_masked_and_ends_with_its_reward(tok
 
 
 def test_tool_calling_is_an_environment():
-    env = episode_factory("tools", {})()
+    env = episode_factory("tools")()
     assert env.reset({"prompt": "x"}, 0) is None
     assert env.step("#### 4", last_turn=False).ends
-    with pytest.raises(ValueError, match="multi_turn.env='nope': no such environment; valid: tools"):
-        episode_factory("nope", {})
+    with pytest.raises(
+        ValueError, match="multi_turn.env='nope': no such environment; valid: textarena, tools"
+    ):
+        episode_factory("nope")
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, 1e9, "1", True])
@@ -111,7 +113,9 @@ def test_the_config_refuses_an_unknown_environment_listing_the_valid_ones():
     from components.config import load_config
     from components.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"multi_turn.env='chess': no such environment; valid: tools"):
+    with pytest.raises(
+        ConfigError, match=r"multi_turn.env='chess': no such environment; valid: textarena, tools"
+    ):
         load_config("configs/arith_grpo.yaml", ["multi_turn.env=chess"])
 
 
@@ -123,7 +127,7 @@ def test_the_docs_environment_as_written():
 
     try:
         exec(marked("test_the_docs_environment_as_written").body, {})
-        env = episode_factory("guess", {})()
+        env = episode_factory("guess")()
         assert env.reset({"prompt": "x"}, 0) == [{"role": "user", "content": "guess 0-9"}]
         assert env.step("3", last_turn=False) == Step("higher", role="user")
         assert env.step("7", last_turn=False).reward == 1.0 and env.step("3", last_turn=True).reward == 0.0

@@ -1,0 +1,38 @@
+"""TextArena's GuessTheNumber as an environment: the opening, the game's answers as user turns, the reward."""
+
+from __future__ import annotations
+
+import re
+
+from components.envs.base import episode_factory
+from components.settings import MultiTurnSettings
+
+
+def game():
+    return episode_factory("textarena", MultiTurnSettings(10, (), 256, game="GuessTheNumber-v0"))()
+
+
+def test_a_game_won_by_bisection_pays_1():
+    env = game()
+    (opening,) = env.reset({"prompt": "unused"}, seed=0)
+    assert opening["role"] == "user" and "Guess The Number" in opening["content"]
+    lo, hi, turns = 1, 20, 0
+    while True:
+        guess = (lo + hi) // 2
+        step = env.step(f"[{guess}]", last_turn=False)
+        turns += 1
+        if step.ends:
+            break
+        assert step.role == "user" and "[Player]" not in step.observation  # the game's lines only
+        lo, hi = (guess + 1, hi) if "higher" in step.observation else (lo, guess - 1)
+    assert step.reward == 1.0 and step.counts == {"game_won": 1.0} and turns <= 5
+
+
+def test_a_move_out_of_format_is_answered_and_a_game_out_of_turns_pays_0():
+    env = game()
+    env.reset({}, seed=1)
+    step = env.step("seven", last_turn=False)
+    assert not step.ends and re.search(r"invalid move", step.observation, re.I)
+    last = env.step("[1]", last_turn=True)
+    assert last.done and last.reward in (0.0, 1.0)  # 1 only if 1 was the number
+    assert game().reset({}, seed=1) == game().reset({}, seed=1)  # the seed decides the game
