@@ -59,12 +59,17 @@ def tool_turn_text(tokenizer, result: str, after_eos: bool, role: str = "tool") 
     an observation as a message of `role` (a tool's output, Qwen2.5: `<|im_end|>\\n<|im_start|>user\\n
     <tool_response>...`; a game's next move, `user`). When the assistant turn already ended with EOS, a leading
     EOS in that text is not repeated."""
+    return turns_after_reply(tokenizer, [{"role": role, "content": result}], after_eos)
+
+
+def turns_after_reply(tokenizer, messages: list[dict], after_eos: bool) -> str:
+    """The text from the end of an assistant reply to the next generation prompt, with `messages` (tool
+    results, a user's replies) between: what a conversation appends after a reply, without rendering the
+    reply again."""
     user = [{"role": "user", "content": "q"}]
     before = templates.render(tokenizer, user, add_generation_prompt=True)
     full = templates.render(
-        tokenizer,
-        user + [{"role": "assistant", "content": _MARK}, {"role": role, "content": result}],
-        add_generation_prompt=True,
+        tokenizer, user + [{"role": "assistant", "content": _MARK}, *messages], add_generation_prompt=True
     )
     if not full.startswith(before + _MARK):
         raise ValueError(
