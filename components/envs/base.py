@@ -62,12 +62,16 @@ def episode_factory(name: str, settings: Any = None, tools: dict | None = None) 
 
 
 def checked_reward(env: str, episode: int, reward: float | None) -> float | None:
-    """An environment's reward, refused when it is not a finite number in [-1e6, 1e6] (RewardError naming the
-    environment and the episode; the stage counts it like a scorer's invalid reward)."""
+    """An environment's reward, refused when it is not a finite number within the bound a scorer's reward is
+    held to (usable_reward: ±MAX_ABS_REWARD); a RewardError naming the environment and the episode."""
+    from components.rewards.registry import MAX_ABS_REWARD, usable_reward
+
     if reward is None:
         return None
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
         raise RewardError(f"environment {env}, episode {episode}: reward {reward!r} is not a finite number")
-    if abs(reward) > 1e6:
-        raise RewardError(f"environment {env}, episode {episode}: reward {reward!r} is out of range")
+    if not usable_reward(reward):
+        raise RewardError(
+            f"environment {env}, episode {episode}: reward {reward!r} is out of range (±{MAX_ABS_REWARD:g})"
+        )
     return float(reward)

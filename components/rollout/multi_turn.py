@@ -97,23 +97,6 @@ def first_messages(rows: list[dict], envs: list[Environment], n: int, seed: int)
     return out
 
 
-def multi_turn_generate(
-    engine,
-    tokenizer,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    seed: int,
-    tools: dict,
-    max_turns: int,
-    max_tool_chars: int = 256,
-) -> MultiTurnOutput:
-    """Tool calling: play_episodes with a `tools` environment per sample."""
-    from components.envs.tools import ToolEnv
-
-    envs = [ToolEnv(tools) for _ in range(len(prompts) * params.n)]
-    return play_episodes(engine, tokenizer, prompts, params, seed, envs, max_turns, max_tool_chars)
-
-
 def play_episodes(
     engine,
     tokenizer,

@@ -58,20 +58,20 @@ def git_commit(root: Path = PROJECT_ROOT) -> str:
 
 @contextmanager
 def store_ready(uri: str):
-    """Hold the block under a lock beside a SQLite store (`mlflow.db.lock`), the store's tables made first.
-    MLflow makes a new SQLite file's tables as it first opens it: two runs started at once in a fresh checkout
-    (two triggered deployment runs) both did, and one failed ("duplicate column name: step"); both would also
-    create the same experiment. Other stores (a server) serialise their own writes."""
+    """A client of `uri`, the block held under a lock beside a SQLite store (`mlflow.db.lock`), the store's
+    tables made first. MLflow makes a new SQLite file's tables as it first opens it: two runs started at once
+    in a fresh checkout (two triggered deployment runs) both did, and one failed ("duplicate column name:
+    step"); both would also create the same experiment. Other stores (a server) serialise their own writes."""
     if not uri.startswith("sqlite:///"):
-        yield
+        yield MlflowClient(uri, registry_uri=uri)
         return
     db = Path(uri[len("sqlite:///") :])
     db.parent.mkdir(parents=True, exist_ok=True)
     with exclusive(db.with_name(db.name + ".lock"), f"opening the MLflow store {db}", wait_s=300):
-        client = MlflowClient(uri, registry_uri=uri)
+        client = MlflowClient(uri, registry_uri=uri)  # made under the lock: opening may create the tables
         client.search_experiments(max_results=1)  # the tracking tables
         client.search_registered_models(max_results=1)  # and the registry's
-        yield
+        yield client
 
 
 def setup(experiment: str, root: Path | None = None) -> str:
@@ -79,8 +79,8 @@ def setup(experiment: str, root: Path | None = None) -> str:
     uri = default_tracking_uri(root)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
-    with store_ready(uri):
-        return _experiment(MlflowClient(uri, registry_uri=uri), experiment, uri)
+    with store_ready(uri) as client:
+        return _experiment(client, experiment, uri)
 
 
 def _experiment(client: MlflowClient, experiment: str, uri: str) -> str:

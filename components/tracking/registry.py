@@ -34,8 +34,8 @@ def _client() -> MlflowClient:
     # MLflow's registry resolves `models:/<id>` sources with a client of the global URIs
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
-    with store_ready(uri):
-        return MlflowClient(uri, registry_uri=uri)
+    with store_ready(uri) as client:
+        return client
 
 
 def download_version(name: str, version: str, dst: str | Path) -> Path:

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from components.batch import Batch
+from components.envs.tools import ToolEnv
 from components.rollout.base import RolloutOutput
-from components.rollout.multi_turn import multi_turn_generate, tool_turn_text
+from components.rollout.multi_turn import play_episodes, tool_turn_text
 from components.rollout.tools import Calculator, ToolError, parse_tool_call, tool_call_text
 from components.settings import SamplingParams
 from components.training.logprobs import batch_logprobs, response_logprobs
@@ -82,14 +83,9 @@ def test_turn_loop_masks_tool_output_and_counts(tokenizer):
         ],
     )
     prompts = [tokenizer("6*7=", add_special_tokens=False)["input_ids"]]
-    mt = multi_turn_generate(
-        engine,
-        tokenizer,
-        prompts,
-        SamplingParams(n=4, max_new_tokens=64),
-        seed=0,
-        tools={"calculator": Calculator()},
-        max_turns=2,
+    envs = [ToolEnv({"calculator": Calculator()}) for _ in range(4)]
+    mt = play_episodes(
+        engine, tokenizer, prompts, SamplingParams(n=4, max_new_tokens=64), 0, envs, max_turns=2
     )
     out = mt.out
     assert mt.num_turns.tolist() == [2, 1, 2, 2] and mt.tool_calls.tolist() == [1, 0, 1, 0]
@@ -113,9 +109,8 @@ def test_turn_loop_masks_tool_output_and_counts(tokenizer):
 def test_a_call_in_the_last_turn_is_not_run(tokenizer):
     call = tool_call_text("calculator", {"expression": "1+1"})
     engine = ScriptedEngine(tokenizer, [[call]])
-    mt = multi_turn_generate(
-        engine, tokenizer, [[5]], SamplingParams(n=1), seed=0, tools={"calculator": Calculator()}, max_turns=1
-    )
+    envs = [ToolEnv({"calculator": Calculator()})]
+    mt = play_episodes(engine, tokenizer, [[5]], SamplingParams(n=1), 0, envs, max_turns=1)
     assert mt.tool_calls.tolist() == [0] and torch.equal(mt.attention_mask, mt.out.response_mask)
 
 
