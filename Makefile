@@ -11,7 +11,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export RAY_DEDUP_LOGS := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run run-vlm test test-fast lint format install clean bytecode
+.PHONY: run run-vlm run-envs test test-fast lint format install clean bytecode
 
 $(STAMP): pyproject.toml
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
@@ -48,6 +48,12 @@ run-vlm: $(STAMP) bytecode
 	$(VENV)/bin/dvc repro --pull vlm/dvc.yaml
 	$(VENV)/bin/dvc push -q vlm/dvc.yaml
 	$(VENV)/bin/dvc metrics show metrics/vlm_eval.json
+
+# The environments pipeline (docs/environments.md): reasoning-gym's tasks, scored by their own score_answer.
+run-envs: $(STAMP) bytecode
+	$(VENV)/bin/dvc repro --pull environments/dvc.yaml
+	$(VENV)/bin/dvc push -q environments/dvc.yaml
+	$(VENV)/bin/dvc metrics show metrics/rg_eval.json
 
 test: $(STAMP) bytecode
 	$(PY) -m ruff format --check .

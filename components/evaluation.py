@@ -1,4 +1,5 @@
-"""Held-out evaluation: greedy accuracy and mean@k / pass@k per data_source.
+"""Held-out evaluation: greedy accuracy and mean@k / pass@k per data_source (per environment for the episodes
+an environment rewards).
 
 One function for the training run's periodic test (the rollout group samples, the driver decodes, the
 RewardScorer actor scores: the path training rewards take) and for evaluating a model directory in this
@@ -10,7 +11,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
+import torch
+
 from components.batch import Batch
+from components.rl import with_env_rewards
 from components.settings import SamplingParams
 
 # (rows, params, seed) -> the rollout batch; batch -> texts; (texts, truths, sources, extras) -> scores
@@ -61,10 +65,16 @@ def evaluate(
             nt = batch.non_tensors
             texts = decode(batch)
             s, _, _ = score(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"])
+            # an episode the environment rewarded counts as the environment's: val/<env>/acc
+            env_scores, given, _ = with_env_rewards(torch.tensor(s, dtype=torch.float32), batch)
+            s = env_scores.tolist()
+            src = [
+                batch.meta.get("env", "env") if g else d for g, d in zip(given.tolist(), nt["data_source"])
+            ]
             if mode == "greedy" and on_greedy is not None:
                 on_greedy(rows[start : start + batch_size], texts, s)
             scores += s
-            sources += nt["data_source"]
+            sources += src
             calls += batch.tensors["tool_calls"].tolist() if "tool_calls" in batch.tensors else []
         if mode == "greedy":
             by: dict[str, list[float]] = defaultdict(list)

@@ -16,6 +16,7 @@ from components.algorithms.losses import explained_variance
 from components.algorithms.rollout_correction import correct_advantages
 from components.algorithms.shaping import informative_groups, kl_in_reward, overlong_penalty
 from components.batch import Batch
+from components.envs.base import ENV_COUNT
 from components.errors import RewardError
 
 if TYPE_CHECKING:
@@ -43,6 +44,18 @@ class Scored:
     metrics: dict[str, float]
 
 
+def with_env_rewards(scores: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scores (N,) with each episode's environment reward in place of its scorer's where the environment gave
+    one (batch's env_reward: NaN where it gave none, INFINITE where it gave an unusable one, scored 0), the
+    (N,) bool mask of the rows the environment rewarded, and the (N,) mask of those whose reward is invalid."""
+    none = torch.zeros(len(scores), dtype=torch.bool)
+    if "env_reward" not in batch.tensors:
+        return scores, none, none
+    env = batch.tensors["env_reward"]
+    given, invalid = ~torch.isnan(env), torch.isinf(env)
+    return torch.where(given, torch.where(invalid, 0.0, env), scores), given, invalid
+
+
 def score_responses(
     batch: Batch,
     texts: list[str],
@@ -59,12 +72,10 @@ def score_responses(
     scores, valid, subs = score(texts, nt["ground_truth"], nt["data_source"], nt["extra_info"])
     s = torch.tensor(scores, dtype=torch.float32)
     metrics = {f"reward/{name}/mean": float(torch.tensor(v).nanmean()) for name, v in subs.items()}
-    if "env_reward" in batch.tensors:  # an episode's environment gave its reward: it replaces the scorer's
-        given = ~torch.isnan(batch.tensors["env_reward"])
-        s = torch.where(given, batch.tensors["env_reward"], s)
-        valid = [ok or bool(g) for ok, g in zip(valid, given.tolist())]
-        if given.any():
-            metrics["reward/env/mean"] = float(batch.tensors["env_reward"][given].mean())
+    s, given, invalid = with_env_rewards(s, batch)
+    valid = [(g and not bad) or (ok and not g) for ok, g, bad in zip(valid, given.tolist(), invalid.tolist())]
+    if (given & ~invalid).any():
+        metrics["reward/env/mean"] = float(s[given & ~invalid].mean())
     if model_scores is not None:
         from components.rewards.registry import usable_reward
 
@@ -141,9 +152,24 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
                 "tool_call_counts/mean": float(t["tool_calls"].mean()),
                 "tool_call_rate": float((t["tool_calls"] > 0).float().mean()),
                 "tool_errors/mean": float(t["tool_errors"].mean()),
+                **env_metrics(batch),
             }
         )
     return metrics
+
+
+def env_metrics(batch: Batch) -> dict[str, float]:
+    """A multi-turn rollout's figures under its environment's name: env/<env>/turns, env/<env>/reward (the
+    mean over the episodes it rewarded) and env/<env>/<counter> (each episode counter's mean)."""
+    t, env = batch.tensors, batch.meta.get("env", "env")
+    out = {f"env/{env}/turns": float(t["num_turns"].float().mean())}
+    if "env_reward" in t and torch.isfinite(t["env_reward"]).any():
+        rewarded = t["env_reward"][torch.isfinite(t["env_reward"])]
+        out[f"env/{env}/reward"] = float(rewarded.mean())
+    for key, values in t.items():
+        if key.startswith(ENV_COUNT):
+            out[f"env/{env}/{key.removeprefix(ENV_COUNT)}"] = float(values.mean())
+    return out
 
 
 def add_advantages(

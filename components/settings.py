@@ -116,6 +116,7 @@ class MultiTurnSettings:
     concurrency: int = 2
     env: str = "tools"  # the environment each sample is an episode of (components/envs ENVS)
     game: str = "GuessTheNumber-v0"  # env=textarena: the game's env id
+    step_timeout_s: float = 60.0  # an environment's reset or step that takes longer stops the rollout
 
     @classmethod
     def from_config(cls, cfg: Config) -> MultiTurnSettings | None:
@@ -130,6 +131,7 @@ class MultiTurnSettings:
             cfg.sandbox.concurrency,
             m.env,
             m.game,
+            m.step_timeout_s,
         )
 
 

@@ -93,7 +93,10 @@ class Pipeline(BaseModel):
             return None
         file = inputs.rpartition(":")[0] or inputs  # dvc.yaml:sft, or a whole file
         if not (PROJECT_ROOT / file).is_file():
-            raise ValueError(f"{inputs!r} names no DVC file of the project (dvc.yaml:sft, vlm/dvc.yaml:sft)")
+            raise ValueError(
+                f"{inputs!r} names no DVC file of the project "
+                "(dvc.yaml:sft, vlm/dvc.yaml:sft, environments/dvc.yaml:sft)"
+            )
         return inputs
 
     @model_validator(mode="after")

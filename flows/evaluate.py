@@ -18,7 +18,7 @@ from flows import parsers
 from flows._args import check_config, run_cli
 from flows._logs import one_line_errors
 from tasks.caching import run_stage
-from tasks.evaluate import evaluate_model, write_eval
+from tasks.evaluate import evaluate_model, gains, write_eval
 from tasks.tracking import finished_run_info
 
 
@@ -48,7 +48,7 @@ def evaluate_flow(
             advance(info=f"{name} acc {results[name]['acc']:.3f}")
     # no wall times: DVC compares these figures across experiments and commits, and seconds are not comparable
     results["iterations"] = run.get("iterations")
-    results["gain"] = {"acc": results["final"]["acc"] - results["sft"]["acc"]}
+    results["gain"] = gains(results["sft"], results["final"])
     write_eval(results, output, run, cfg.data.eval_path)
     return results
 

@@ -58,11 +58,38 @@ def evaluate_model(
         derive_seed(e.seed, "eval"),
         e.temperature,
     )
-    k = cfg.trainer.eval_k
-    out = {"acc": m["val/acc"], "n": len(rows)}
+    return eval_figures(m, cfg.trainer.eval_k, len(rows))
+
+
+def eval_figures(m: dict[str, float], k: int, n: int) -> dict:
+    """The figures of eval.json from evaluate()'s val/ metrics: acc, n, and acc_mean_at_k / pass_at_k of the
+    whole set; with more than one source (data_sources, environments), each one's figures under its name."""
+    per: dict[str, dict[str, float]] = {}
     for key, value in m.items():
-        if key.endswith(f"acc_mean_at_{k}") or key.endswith(f"pass_at_{k}"):
-            out[key.split("/")[-1]] = value
+        _, source, figure = key.split("/") if key.count("/") == 2 else (None, None, None)
+        if figure in ("acc", f"acc_mean_at_{k}", f"pass_at_{k}"):
+            per.setdefault(source, {})[figure] = value
+    out: dict = {"acc": m["val/acc"], "n": n}
+    if len(per) == 1:  # one source: its sampled figures are the set's
+        out.update({f: v for f, v in next(iter(per.values())).items() if f != "acc"})
+    else:
+        out["by_source"] = dict(sorted(per.items()))
+    return out
+
+
+def gains(sft: dict, final: dict) -> dict[str, float]:
+    """The final model's greedy accuracy minus the SFT model's: on the whole set (acc), and per source."""
+    out = {"acc": final["acc"] - sft["acc"]}
+    before, after = sft.get("by_source", {}), final.get("by_source", {})
+    out.update({f"{s}/acc": after[s]["acc"] - before[s]["acc"] for s in sorted(before.keys() & after.keys())})
+    return out
+
+
+def flat(figures: dict) -> dict[str, float]:
+    """eval.json's figures of one model as MLflow metric names: acc, by_source's <source>/acc, ..."""
+    out = {k: v for k, v in figures.items() if isinstance(v, int | float)}
+    for source, each in figures.get("by_source", {}).items():
+        out.update({f"{source}/{k}": v for k, v in each.items()})
     return out
 
 
@@ -74,16 +101,11 @@ def write_eval(results: dict, path: str, tracker_run: dict | None, eval_path: st
     if tracker_run and tracker_run.get("run_id"):
         tracker = Tracker(tracker_run["experiment"], "", run_id=tracker_run["run_id"])
         tracker.log_summary(
-            {
-                f"eval/{name}/{k}": v
-                for name in ("sft", "final")
-                for k, v in results[name].items()
-                if isinstance(v, (int, float))
-            }
+            {f"eval/{name}/{k}": v for name in ("sft", "final") for k, v in flat(results[name]).items()}
         )
         if tracker_run.get("model_id"):  # the held-out figures of that exact model, logged with it
             tracker.log_summary(
-                {f"eval/{k}": v for k, v in results["final"].items() if isinstance(v, (int, float))},
+                {f"eval/{k}": v for k, v in flat(results["final"]).items()},
                 model_id=tracker_run["model_id"],
                 dataset=dataset_ref(eval_path, file_md5(eval_path)),
             )

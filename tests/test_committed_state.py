@@ -43,7 +43,7 @@ def stage_outputs(root: Path, pipeline: str) -> set[str]:
     return outs
 
 
-@pytest.mark.parametrize("pipeline", ["dvc.yaml", "vlm/dvc.yaml"])
+@pytest.mark.parametrize("pipeline", ["dvc.yaml", "vlm/dvc.yaml", "environments/dvc.yaml"])
 def test_dvc_lock_records_this_code_config_and_metrics(fresh_copy, pipeline):
     res = subprocess.run(
         [DVC, "status", "--json", pipeline], cwd=fresh_copy, capture_output=True, text=True, timeout=120

@@ -353,6 +353,12 @@ class MultiTurnConfig(Section):
     max_tool_response_chars: int = Field(
         256, ge=1, description="a tool's output is cut to this many characters"
     )
+    step_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="an environment's reset or step that takes longer stops the rollout, naming the "
+        "environment and the episode",
+    )
 
     @model_validator(mode="after")
     def _known_tools(self) -> MultiTurnConfig:

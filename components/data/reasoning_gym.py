@@ -9,6 +9,7 @@ question is not the row's (a settings change since the data was made) is an erro
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from typing import Any
 
@@ -20,14 +21,15 @@ SPLIT_SEEDS = {"train": 0, "test": 1_000_003}
 
 
 @cache
-def _dataset(name: str, settings: tuple, seed: int, size: int):
+def _dataset(name: str, settings: str, seed: int, size: int):
     import reasoning_gym
 
-    return reasoning_gym.create_dataset(name, size=size, seed=seed, **dict(settings))
+    return reasoning_gym.create_dataset(name, size=size, seed=seed, **json.loads(settings))
 
 
 def dataset(name: str, settings: dict | None, seed: int, size: int):
-    return _dataset(name, tuple(sorted((settings or {}).items())), seed, size)
+    # the settings as JSON: a hashable key even when a value is a list (basic_arithmetic's operators)
+    return _dataset(name, json.dumps(settings or {}, sort_keys=True), seed, size)
 
 
 def rows(tasks: dict[str, dict[str, Any]], num_train: int, num_eval: int, seed: int) -> tuple[list, list]:

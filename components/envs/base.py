@@ -13,12 +13,17 @@ typed settings (MultiTurnSettings) and its tools that returns a new environment 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from components.errors import RewardError
+
+# a rollout batch's tensor of one episode counter (N,): env_count/<name>, e.g. env_count/game_won
+ENV_COUNT = "env_count/"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -61,17 +66,52 @@ def episode_factory(name: str, settings: Any = None, tools: dict | None = None) 
     return ENVS[name](settings, tools or {})
 
 
+INVALID = math.inf  # an episode's reward that was given but is unusable: counted by reward.max_invalid_frac
+
+
 def checked_reward(env: str, episode: int, reward: float | None) -> float | None:
-    """An environment's reward, refused when it is not a finite number within the bound a scorer's reward is
-    held to (usable_reward: ±MAX_ABS_REWARD); a RewardError naming the environment and the episode."""
+    """An environment's reward as the rollout keeps it: None (none given: the row's scorer scores the episode),
+    the reward, or INVALID for one that is not a finite number within the bound a scorer's reward is held to
+    (usable_reward: ±MAX_ABS_REWARD), said in one warning line naming the environment and the episode. Invalid
+    rewards are counted against reward.max_invalid_frac, as a scorer's are."""
     from components.rewards.registry import MAX_ABS_REWARD, usable_reward
 
     if reward is None:
         return None
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-        raise RewardError(f"environment {env}, episode {episode}: reward {reward!r} is not a finite number")
-    if not usable_reward(reward):
+        why = "is not a finite number"
+    elif not usable_reward(reward):
+        why = f"is out of range (±{MAX_ABS_REWARD:g})"
+    else:
+        return float(reward)
+    log.warning("environment %s, episode %d: reward %r %s; counted invalid", env, episode, reward, why)
+    return INVALID
+
+
+def bounded(call: Callable[..., Any], args: tuple, timeout_s: float, where: str) -> Any:
+    """call(*args) in a thread of its own, waited on for timeout_s: an environment's reset or step that hangs is a
+    RewardError naming `where` (the environment, episode and turn) instead of a rollout that never ends; one
+    that raises is the same, with what it raised. A hung call's thread is left behind (a daemon: Python cannot
+    stop it), so the run stops on the error rather than play on beside it."""
+    import threading
+
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = call(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, which names it
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"env {where}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
         raise RewardError(
-            f"environment {env}, episode {episode}: reward {reward!r} is out of range (±{MAX_ABS_REWARD:g})"
+            f"{where}: no answer within multi_turn.step_timeout_s={timeout_s:g} s; fix the environment (a "
+            "blocking call, a game waiting for input) or raise the limit"
         )
-    return float(reward)
+    if "error" in result:
+        exc = result["error"]
+        raise RewardError(f"{where}: raised {exc!r}") from exc
+    return result["value"]

@@ -13,8 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from components.data import templates
-from components.envs.base import Environment, checked_reward
-from components.errors import RewardError
+from components.envs.base import Environment, bounded, checked_reward
 from components.rollout.base import RolloutOutput
 from components.rollout.tools import CALL_CLOSE, TOOLS
 from components.seeding import derive_seed
@@ -87,12 +86,29 @@ def single_token(tokenizer, text: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
-def first_messages(rows: list[dict], envs: list[Environment], n: int, seed: int) -> list[dict]:
+def first_messages(
+    rows: list[dict],
+    envs: list[Environment],
+    n: int,
+    seed: int,
+    env_name: str = "tools",
+    timeout_s: float = 60.0,
+) -> list[dict]:
     """The rows with each one's prompt replaced by the first messages its episodes' environments give on reset
-    (envs[i*n + j] plays sample j of row i; all n get the row and the group's seed, so they start alike)."""
+    (envs[i*n + j] plays sample j of row i; all n get the row and the group's seed, so they start alike). A
+    reset that raises or hangs past timeout_s is a RewardError naming the environment and the episode."""
     out = []
     for i, row in enumerate(rows):
-        given = [envs[i * n + j].reset(row, derive_seed(seed, "episode", i)) for j in range(n)]
+        group_seed = derive_seed(seed, "episode", i)
+        given = [
+            bounded(
+                envs[i * n + j].reset,
+                (row, group_seed),
+                timeout_s,
+                f"environment {env_name}, episode {i * n + j}: reset",
+            )
+            for j in range(n)
+        ]
         out.append(row if given[0] is None else {**row, "prompt": given[0]})
     return out
 
@@ -107,11 +123,13 @@ def play_episodes(
     max_turns: int,
     max_obs_chars: int = 256,
     env_name: str = "tools",
+    step_timeout_s: float = 60.0,
 ) -> MultiTurnOutput:
     """params.n samples per prompt (row i*n + j is sample j of prompt i, played by envs[i*n + j]), each up to
-    max_turns assistant turns of at most params.max_new_tokens tokens. A turn stops at EOS, or at
-    `</tool_call>` when that is one token; the environment's observation, cut to max_obs_chars, is appended
-    as a turn of its role. The episode ends when the environment says so or the turns run out."""
+        max_turns assistant turns of at most params.max_new_tokens tokens. A turn stops at EOS, or at
+        `</tool_call>` when that is one token; the environment's observation, cut to max_obs_chars, is appended
+        as a turn of its role. The episode ends when the environment says so or the turns run out. A step that
+    raises or takes longer than step_timeout_s is a RewardError naming the environment, episode and turn."""
     eos = tokenizer.eos_token_id
     close = single_token(tokenizer, CALL_CLOSE)
     turn_params = replace(params, n=1, stop_token_ids=(close,) if close is not None else ())
@@ -138,12 +156,14 @@ def play_episodes(
             logps[i] += out.logprobs[j][keep].tolist()
             contexts[i] += new
             turns[i] += 1
-            try:
-                step = envs[i].step(tokenizer.decode(new, skip_special_tokens=False), turn == max_turns - 1)
-            except Exception as exc:  # the environment's bug, not the run's: one line naming where
-                raise RewardError(
-                    f"environment {env_name}, episode {i}, turn {turn + 1}: step raised {exc!r}"
-                ) from exc
+            text, last = tokenizer.decode(new, skip_special_tokens=False), turn == max_turns - 1
+            # the environment's bug (a raise, a hang) is not the run's: one line naming where
+            step = bounded(
+                envs[i].step,
+                (text, last),
+                step_timeout_s,
+                f"environment {env_name}, episode {i}, turn {turn + 1}: step",
+            )
             for name, value in step.counts.items():
                 counts.setdefault(name, [0.0] * n_rows)[i] += value
             reward = checked_reward(env_name, i, step.reward)

@@ -11,6 +11,7 @@ import torch
 
 from components.batch import Batch
 from components.data.prompts import encode_prompts
+from components.envs.base import ENV_COUNT
 from components.models.loading import load_image_encoder, load_tokenizer
 from components.rollout.base import PromptImages, RolloutOutput, continue_samples, make_engine
 from components.rollout.batching import rollout_batch
@@ -161,7 +162,8 @@ class RolloutWorker:
         envs = None
         if self.multi_turn:  # each sample an episode; an environment may give a row's first messages itself
             envs = [self.episodes() for _ in range(len(rows) * params.n)]
-            rows = first_messages(rows, envs, params.n, seed)
+            m = self.multi_turn
+            rows = first_messages(rows, envs, params.n, seed, m.env, m.step_timeout_s)
         prompt_ids, images = self.encode(rows)
         continued = torch.zeros(len(rows) * params.n, dtype=torch.bool)
         if envs is not None:
@@ -172,9 +174,10 @@ class RolloutWorker:
                 params,
                 seed,
                 envs,
-                self.multi_turn.max_turns,
-                self.multi_turn.max_tool_chars,
-                self.multi_turn.env,
+                m.max_turns,
+                m.max_tool_chars,
+                m.env,
+                m.step_timeout_s,
             )
             batch = rollout_batch(rows, prompt_ids, mt.out, params.n, self.tokenizer.pad_token_id, iteration)
             batch = batch.union(
@@ -183,7 +186,9 @@ class RolloutWorker:
                 tool_calls=mt.tool_calls,
                 tool_errors=mt.tool_errors,
                 env_reward=mt.rewards,
+                **{f"{ENV_COUNT}{name}": values for name, values in mt.counts.items()},
             )
+            batch.meta["env"] = self.multi_turn.env
         elif self.partial and iteration >= 0 and images is None:
             out, continued = self.sample_partial(prompt_ids, params, seed)
             batch = rollout_batch(rows, prompt_ids, out, params.n, self.tokenizer.pad_token_id, iteration)

@@ -245,3 +245,25 @@ def test_a_run_that_rewards_nothing_in_its_first_iterations_says_so_once():
     assert zero_reward_warning(history + [{"step": 4, **zero}], "s") is None  # said once
     one_reward = [*history[:-1], {"step": 3, "critic/score/max": 0.1, "critic/score/min": 0.0}]
     assert zero_reward_warning(one_reward, "s") is None
+
+
+def test_an_environments_figures_are_under_its_name():
+    from components.rl import env_metrics, with_env_rewards
+
+    batch = Batch(
+        {
+            "num_turns": torch.tensor([1, 3, 2, 2]),
+            "env_reward": torch.tensor([1.0, 0.0, math.nan, 1.0]),
+            "env_count/game_won": torch.tensor([1.0, 0.0, 0.0, 1.0]),
+        },
+        {},
+        {"env": "textarena"},
+    )
+    assert env_metrics(batch) == {
+        "env/textarena/turns": 2.0,
+        "env/textarena/reward": pytest.approx(2 / 3),
+        "env/textarena/game_won": 0.5,
+    }
+    scores, given, invalid = with_env_rewards(torch.tensor([0.0, 1.0, 0.5, 0.0]), batch)
+    assert scores.tolist() == [1.0, 0.0, 0.5, 1.0] and given.tolist() == [True, True, False, True]
+    assert not invalid.any()

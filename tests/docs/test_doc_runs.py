@@ -82,6 +82,17 @@ def finished(run_id: str) -> dict | None:
     return state if state.get("type") in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
 
 
+def why_not_completed(run_id: str, state: dict, worker: Terminal) -> str:
+    """What a failed or crashed run said: its state's message, the run's own log lines from the server (the
+    pull steps' and the flow's), and the worker's last lines."""
+    logs = api("/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "sort": "TIMESTAMP_ASC"}) or []
+    said = "\n".join(f"{line['level']:>2} {line['name']}: {line['message']}" for line in logs)
+    return (
+        f"{state['type']}: {state.get('message')}\nthe run's logs:\n{said[-6000:]}\n"
+        f"the worker's last lines:\n{worker.said()[-2000:]}"
+    )
+
+
 def mlflow_runs(user: User, where: str = "") -> list:
     """The runs of the checkout's MLflow store (mlflow.db) that match `where` (MLflow's filter syntax)."""
     from mlflow.tracking import MlflowClient
@@ -232,7 +243,7 @@ def test_a_work_pools_worker_as_written(user, tmp_path):
         run_id = flow_run_id(said)
         worker = user.terminal(as_script(work, **given), tmp_path / "worker.log")
         state = wait_for(lambda: finished(run_id), "final state of the run", 900, worker)
-        assert state["type"] == "COMPLETED", (state, worker.said()[-4000:])
+        assert state["type"] == "COMPLETED", why_not_completed(run_id, state, worker)
     finally:
         for terminal in (worker, server, tracking):
             if terminal is not None:
@@ -260,7 +271,7 @@ def test_prefect_yaml_deployed_as_written(user, tmp_path):
         run_id = flow_run_id(said)
         worker = user.terminal(as_script(work, server="127.0.0.1"), tmp_path / "worker.log")
         state = wait_for(lambda: finished(run_id), "final state of the run", 900, worker)
-        assert state["type"] == "COMPLETED", (state, worker.said()[-4000:])
+        assert state["type"] == "COMPLETED", why_not_completed(run_id, state, worker)
     finally:
         for terminal in (worker, server):
             if terminal is not None:

@@ -378,10 +378,12 @@ def _stop_cluster(nodes: list[subprocess.Popen], port: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
         p.wait(30)
+    # the port itself, not a longer number that starts with it (another run's port, a memory size)
+    names_port = re.compile(rf"[:=]{port}(?!\d)")
     daemons = [
         q
         for q in psutil.process_iter(["cmdline"])
-        if any(f":{port}" in a or f"={port}" in a for a in (q.info["cmdline"] or []))
+        if any(names_port.search(a) for a in (q.info["cmdline"] or []))
     ]
     for q in daemons:
         with contextlib.suppress(psutil.NoSuchProcess):

@@ -18,7 +18,7 @@ def dvc_params(stage: str, file: str = "dvc.yaml") -> list[str]:
     return [key for entry in spec.get("params", []) for keys in entry.values() for key in keys]
 
 
-@pytest.mark.parametrize("file", ["dvc.yaml", "vlm/dvc.yaml"])
+@pytest.mark.parametrize("file", ["dvc.yaml", "vlm/dvc.yaml", "environments/dvc.yaml"])
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_dvc_params_are_exactly_the_declared_keys(stage, file):
     assert sorted(dvc_params(stage, file)) == sorted(STAGES[stage].reads)
@@ -61,7 +61,7 @@ def test_the_cache_keys_and_the_fingerprint_come_from_the_declarations():
     assert not {"trainer.iterations", "trainer.num_workers", "sft.steps", "data.num_train"} & set(keys)
 
 
-@pytest.mark.parametrize("file", ["dvc.yaml", "vlm/dvc.yaml"])
+@pytest.mark.parametrize("file", ["dvc.yaml", "vlm/dvc.yaml", "environments/dvc.yaml"])
 def test_every_dependency_is_in_the_checkout_or_made_by_a_stage(file):
     spec = yaml.safe_load((ROOT / file).read_text())
     wdir = (ROOT / file).parent / spec["stages"]["prepare"].get("wdir", ".")

@@ -86,3 +86,16 @@ def test_the_command_line_refuses_an_unknown_task_naming_the_key():
     )
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert "data.reasoning_gym: Value error, nope: no such reasoning-gym task" in res.stderr
+
+
+def test_list_settings_make_rows_and_score_them():
+    """A setting given as a list (YAML has no tuples): basic_arithmetic's operators."""
+    tasks = {
+        "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "operators": ["+"], "allow_negation": False}
+    }
+    train, _ = rg.rows(tasks, 3, 1, seed=0)
+    assert all(" + " in r["prompt"][0]["content"] for r in train)
+    row = train[0]
+    truth = row["reward_model"]["ground_truth"]
+    kwargs = {"data_source": row["data_source"], "tasks": tasks, "seed": 0}
+    assert rg.score(truth, truth, row["extra_info"], **kwargs) == 1.0

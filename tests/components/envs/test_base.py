@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from components.envs.base import Step, checked_reward, episode_factory
+from components.envs.base import INVALID, Step, checked_reward, episode_factory
 from components.errors import RewardError
 from components.rollout.multi_turn import first_messages, play_episodes, tool_turn_text
 from components.settings import SamplingParams
@@ -72,10 +72,83 @@ def test_tool_calling_is_an_environment():
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, 1e9, "1", True])
-def test_a_reward_that_is_not_a_finite_number_in_range_is_refused_naming_the_episode(bad):
-    with pytest.raises(RewardError, match=r"environment guess, episode 3: reward"):
-        checked_reward("guess", 3, bad)
+def test_a_reward_that_is_not_a_finite_number_in_range_is_invalid_naming_the_episode(bad, caplog):
+    assert checked_reward("guess", 3, bad) == INVALID
+    (said,) = caplog.messages
+    assert said.startswith(f"environment guess, episode 3: reward {bad!r} ") and said.endswith(
+        "counted invalid"
+    )
     assert checked_reward("guess", 3, 0.5) == 0.5 and checked_reward("guess", 3, None) is None
+
+
+def test_invalid_environment_rewards_are_counted_by_max_invalid_frac():
+    from components.batch import Batch
+    from components.rl import score_responses
+    from components.settings import RewardSettings
+
+    batch = Batch(
+        {"env_reward": torch.tensor([1.0, INVALID, 0.0, 0.0])},
+        {"ground_truth": ["a"] * 4, "data_source": ["s"] * 4, "extra_info": [{}] * 4},
+    )
+
+    def score(texts, truths, sources, extras):
+        return [1.0] * 4, [True] * 4, {}  # every row scorable: only the environment's reward is invalid
+
+    scored = score_responses(batch, ["x"] * 4, score, RewardSettings((8, 0, 1.0), max_invalid_frac=0.25))
+    assert scored.scores.tolist() == [1.0, 0.0, 0.0, 0.0] and scored.valid == [True, False, True, True]
+    assert scored.metrics["reward/invalid_count"] == 1.0
+    with pytest.raises(RewardError, match="1 of 4 rewards are invalid"):
+        score_responses(batch, ["x"] * 4, score, RewardSettings((8, 0, 1.0), max_invalid_frac=0.2))
+
+
+def test_an_environment_that_hangs_stops_the_rollout_naming_it(tokenizer):
+    import threading
+    import time
+
+    release = threading.Event()
+
+    class Stuck(Guess):
+        def step(self, text, last_turn):
+            release.wait(30)  # a game waiting for input that never comes
+            return Step(reward=0.0, done=True)
+
+    engine = ScriptedEngine(tokenizer, [["5"]])
+    start = time.monotonic()
+    try:
+        with pytest.raises(
+            RewardError,
+            match=r"environment guess, episode 0, turn 1: step: no answer within multi_turn.step_timeout_s=0.5 s",
+        ):
+            play_episodes(
+                engine,
+                tokenizer,
+                [[5]],
+                SamplingParams(n=1),
+                0,
+                [Stuck()],
+                2,
+                env_name="guess",
+                step_timeout_s=0.5,
+            )
+        assert time.monotonic() - start < 5
+    finally:
+        release.set()
+
+
+def test_a_reset_that_hangs_names_the_episode():
+    import threading
+
+    release = threading.Event()
+
+    class Stuck(Guess):
+        def reset(self, row, seed):
+            release.wait(30)
+
+    try:
+        with pytest.raises(RewardError, match=r"environment guess, episode 1: reset: no answer within"):
+            first_messages([{"prompt": "x"}], [Guess(), Stuck()], 2, 0, "guess", timeout_s=0.5)
+    finally:
+        release.set()
 
 
 def test_an_environment_that_raises_stops_the_rollout_naming_it(tokenizer):
@@ -85,7 +158,7 @@ def test_an_environment_that_raises_stops_the_rollout_naming_it(tokenizer):
 
     engine = ScriptedEngine(tokenizer, [["5"]])
     with pytest.raises(
-        RewardError, match=r"environment guess, episode 0, turn 1: step raised KeyError\('board'\)"
+        RewardError, match=r"environment guess, episode 0, turn 1: step: raised KeyError\('board'\)"
     ):
         play_episodes(engine, tokenizer, [[5]], SamplingParams(n=1), 0, [Broken()], 2, env_name="guess")
 
