@@ -117,6 +117,10 @@ class MultiTurnSettings:
     env: str = "tools"  # the environment each sample is an episode of (components/envs ENVS)
     game: str = "GuessTheNumber-v0"  # env=textarena: the game's env id
     step_timeout_s: float = 60.0  # an environment's reset or step that takes longer stops the rollout
+    agent: str | None = None  # env=agent: the agent program, file.py:function
+    eos_token: str | None = (
+        None  # the policy tokenizer's, set by the rollout worker (an agent's reply ends there)
+    )
 
     @classmethod
     def from_config(cls, cfg: Config) -> MultiTurnSettings | None:
@@ -132,6 +136,7 @@ class MultiTurnSettings:
             m.env,
             m.game,
             m.step_timeout_s,
+            m.agent,
         )
 
 

@@ -50,12 +50,14 @@ def checked_config(path: str, overrides: list[str], debug: bool = False):
     """Validate the config, the custom reward function and the services it names before any flow (or Prefect
     server) starts: (0, the config) when good, (2, None) with the message printed."""
     from components.config.loader import check_given
+    from components.envs.agent import check_agent
     from components.rewards.custom import check_custom_reward
     from components.validate import load_checked
 
     try:
         cfg = load_checked(path, check_given(overrides))
         check_custom_reward(cfg)
+        check_agent(cfg)
         check_run_services(cfg)
     except ReinforgeError as exc:
         return report(exc, debug), None

@@ -9,6 +9,7 @@ import time
 from components.algorithms.shaping import group_counts
 from components.batch import Batch
 from components.config import Config
+from components.envs.agent import check_agent
 from components.errors import ConfigError
 from components.evaluation import evaluate
 from components.models.loading import check_model_dir, load_image_encoder, load_tokenizer
@@ -38,6 +39,7 @@ def check_inputs(cfg: Config, needs_critic: bool):
     the policy's tokenizer (loaded as saved, checked) and weights, the critic's and reward model's directories.
     Returns the tokenizer."""
     check_custom_reward(cfg)
+    check_agent(cfg)
     check_run_services(cfg)  # a deployment's run, which no CLI checked
     trust = cfg.actor.model.trust_remote_code
     tokenizer = load_tokenizer(cfg.actor.model.path, trust_remote_code=trust)

@@ -13,7 +13,7 @@ SCORER_NAMES = ("code", "countdown", "gsm8k", "math")
 TOOL_NAMES = ("calculator", "python")
 
 # components/envs ENVS: multi_turn.env
-ENV_NAMES = ("textarena", "tools")
+ENV_NAMES = ("agent", "textarena", "tools")
 
 # components/training/backends.py BACKENDS: the trainer.backend values whose workers are Ray actors (Ray is
 # started, or RAY_ADDRESS's cluster checked, for them alone)

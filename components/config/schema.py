@@ -341,10 +341,17 @@ class MultiTurnConfig(Section):
     env: str = Field(
         "tools",
         description="the environment each sample is an episode of (components/envs ENVS): tools = the tools "
-        "of multi_turn.tools answer the model's calls; textarena = a game of multi_turn.game",
+        "of multi_turn.tools answer the model's calls; textarena = a game of multi_turn.game; agent = the "
+        "agent program of multi_turn.agent drives it through an OpenAI-compatible endpoint",
     )
     game: str = Field(
         "GuessTheNumber-v0", description="multi_turn.env=textarena: the TextArena game's env id"
+    )
+    agent: str | None = Field(
+        None,
+        description="multi_turn.env=agent: the agent program, `file.py:function` inside the project, called "
+        "as function(base_url, row, seed) once per episode: it talks to the policy with the openai client at "
+        "base_url and returns the episode's reward (None: the row's scorer scores the replies)",
     )
     max_turns: int = Field(
         2, ge=1, description="assistant turns per sample (a call in the last one is not run)"
@@ -365,6 +372,20 @@ class MultiTurnConfig(Section):
         if self.env not in ENV_NAMES:
             raise ValueError(
                 f"multi_turn.env={self.env!r}: no such environment; valid: {', '.join(ENV_NAMES)}"
+            )
+        if self.enable and self.env == "textarena":
+            check_textarena_game(self.game)
+        if self.enable and (self.env == "agent") != (self.agent is not None):
+            raise ValueError(
+                "multi_turn.agent names the agent program of multi_turn.env=agent, and only of it: set both "
+                f"(multi_turn.env={self.env!r}, multi_turn.agent={self.agent!r})"
+            )
+        if self.agent is not None and (
+            self.agent.count(":") != 1 or not self.agent.split(":")[0].endswith(".py")
+        ):
+            raise ValueError(
+                f"multi_turn.agent={self.agent!r}: give the agent as file.py:function, e.g. "
+                "agents/guess.py:play"
             )
         unknown = [t for t in self.tools if t not in TOOL_NAMES]
         if unknown:
@@ -419,6 +440,22 @@ class SandboxConfig(Section):
 class ImageProcessorConfig(Section):
     size: int = Field(32, ge=8, description="images are resized to this many pixels a side")
     crop: bool = Field(True, description="resize the short side, then center-crop a square; false = squash")
+
+
+def check_textarena_game(game: str) -> None:
+    """ValueError naming multi_turn.game when TextArena has no such game, with the closest ids it has (it has
+    hundreds: all of them would not be one line)."""
+    import difflib
+
+    from textarena.envs.registration import ENV_REGISTRY
+
+    if game not in ENV_REGISTRY:
+        close = difflib.get_close_matches(game, list(ENV_REGISTRY), n=4, cutoff=0.5)
+        raise ValueError(
+            f"multi_turn.game={game!r}: TextArena has no such game"
+            + (f"; the closest: {', '.join(close)}" if close else "")
+            + f" ({len(ENV_REGISTRY)} ids in textarena.envs.registration.ENV_REGISTRY)"
+        )
 
 
 def check_reasoning_gym_tasks(tasks: dict[str, dict[str, Any]]) -> None:

@@ -13,17 +13,21 @@ and the agent's messages (tool results, a user's replies) masked out.
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
 
 from components.data import templates
+from components.envs.base import Step, register
 from components.errors import RewardError
-from components.rollout.multi_turn import turns_after_reply
-from components.seeding import derive_seed
-from components.settings import SamplingParams
+from components.rewards.custom import CustomReward, UserCode, load_custom_reward
+
+if TYPE_CHECKING:
+    from components.settings import SamplingParams
 
 
 @dataclass
@@ -48,33 +52,7 @@ class AgentServer:
         self.engine, self.tokenizer, self.params, self.seed = engine, tokenizer, params, seed
         self.episodes: dict[str, Episode] = {}
         self.lock = threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802  (http.server's name)
-                parts = self.path.strip("/").split("/")
-                if len(parts) != 5 or parts[0] != "episodes" or parts[2:] != ["v1", "chat", "completions"]:
-                    return self._answer(404, {"error": {"message": f"no such endpoint {self.path}"}})
-                try:
-                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                    return self._answer(200, server.complete(parts[1], body))
-                except (ValueError, KeyError, TypeError) as exc:
-                    return self._answer(
-                        400, {"error": {"message": str(exc), "type": "invalid_request_error"}}
-                    )
-
-            def _answer(self, status: int, payload: dict) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args) -> None:  # one line per request on stderr is noise in a rollout
-                pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http = serve_chat_completions(self.complete)
         self.thread = threading.Thread(target=self.http.serve_forever, name="agent-endpoint", daemon=True)
 
     def __enter__(self) -> AgentServer:
@@ -105,6 +83,8 @@ class AgentServer:
             max_new_tokens=max(1, min(asked, budget)),
             temperature=float(body.get("temperature", self.params.temperature)),
         )
+        from components.seeding import derive_seed
+
         with self.lock:
             context = self._context(ep, messages)
             out = self.engine.generate(
@@ -120,21 +100,7 @@ class AgentServer:
         ep.ended_with_eos = bool(new) and new[-1] == eos
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         ep.messages = [*messages, {"role": "assistant", "content": text}]
-        finish = "stop" if ep.ended_with_eos else "length"
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex[:12]}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body.get("model", "policy"),
-            "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-            ],
-            "usage": {
-                "prompt_tokens": len(context),
-                "completion_tokens": len(new),
-                "total_tokens": len(context) + len(new),
-            },
-        }
+        return completion(text, ep.ended_with_eos, body, len(context), len(new))
 
     def _context(self, ep: Episode, messages: list[dict]) -> list[int]:
         """The ids the next reply continues: the first request rendered whole; a later one's new messages only,
@@ -149,6 +115,8 @@ class AgentServer:
                 "messages must repeat the conversation so far, each reply as it was returned (token in, token "
                 "out: the episode's tokens are never tokenized again)"
             )
+        from components.rollout.multi_turn import turns_after_reply
+
         text = turns_after_reply(self.tokenizer, messages[held:], ep.ended_with_eos)
         delta = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         ep.tokens += delta
@@ -161,3 +129,199 @@ class AgentServer:
         if ep is None or ep.calls == 0:
             raise RewardError(f"agent episode {episode_id}: the agent made no chat completion request")
         return ep
+
+
+def serve_chat_completions(complete) -> ThreadingHTTPServer:
+    """An HTTP server on a free local port (not yet serving) that answers POST
+    /episodes/<id>/v1/chat/completions with complete(id, body): 404 for another path, 400 with the error's
+    message for a request complete() refuses (ValueError, KeyError, TypeError)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802  (http.server's name)
+            parts = self.path.strip("/").split("/")
+            if len(parts) != 5 or parts[0] != "episodes" or parts[2:] != ["v1", "chat", "completions"]:
+                return self._answer(404, {"error": {"message": f"no such endpoint {self.path}"}})
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                return self._answer(200, complete(parts[1], body))
+            except (ValueError, KeyError, TypeError) as exc:
+                return self._answer(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+
+        def _answer(self, status: int, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args) -> None:  # one line per request on stderr is noise in a rollout
+            pass
+
+    return ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+
+
+def completion(text: str, ended: bool, body: dict, prompt_tokens: int, completion_tokens: int) -> dict:
+    """A chat.completion object with one choice: `text`, finished by EOS (`ended`) or by the length limit."""
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex[:12]}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model", "policy"),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "stop" if ended else "length",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+# multi_turn.agent: file.py:function, called as function(base_url, row, seed) -> reward (or None)
+AGENT = UserCode(
+    "multi_turn.agent",
+    "multi_turn.agent",
+    '["http://127.0.0.1:1/episodes/e/v1", {}, 0]',
+    "(base_url, row, seed)",
+    "agent",
+)
+
+
+def load_agent(spec: str) -> CustomReward:
+    """The agent program of multi_turn.agent (`file.py:function`), checked as a custom reward module is: a
+    file inside the project, imported first in a process of its own (no exit, hang or thread at import), its
+    function taking (base_url, row, seed). Imported for real on its first episode, in the rollout's process."""
+    path, name = spec.split(":")
+    return load_custom_reward(path, name, AGENT)
+
+
+def check_agent(cfg) -> None:
+    """At config validation: multi_turn.agent, when set, is such a program (ConfigError or RewardError)."""
+    if cfg.multi_turn.enable and cfg.multi_turn.agent:
+        load_agent(cfg.multi_turn.agent)
+
+
+class AgentHub:
+    """The endpoint of this process's agent episodes: each request is handed to its episode, which answers it
+    with the policy's next reply, sampled by the rollout with the other episodes' turns."""
+
+    def __init__(self):
+        self.episodes: dict[str, AgentEpisode] = {}
+        self.http = serve_chat_completions(self.complete)
+        threading.Thread(target=self.http.serve_forever, name="agent-hub", daemon=True).start()
+
+    def base_url(self, episode_id: str) -> str:
+        return f"http://127.0.0.1:{self.http.server_address[1]}/episodes/{episode_id}/v1"
+
+    def complete(self, episode_id: str, body: dict) -> dict:
+        episode = self.episodes.get(episode_id)
+        if episode is None:
+            raise ValueError(f"episode {episode_id!r} is not one the rollout is playing")
+        return episode.ask(body)
+
+
+_hub: AgentHub | None = None
+_hub_lock = threading.Lock()
+
+
+def agent_hub() -> AgentHub:
+    global _hub
+    with _hub_lock:
+        if _hub is None:
+            _hub = AgentHub()
+        return _hub
+
+
+class AgentEpisode:
+    """One episode of multi_turn.env=agent: the agent program runs in a thread of its own and drives it. Its
+    first request's messages are the episode's first messages (reset); each later request gets the policy's
+    reply to the one before (step), and its new messages (tool results, a user's turn) are the observation,
+    rendered after the sampled reply's tokens, which are never tokenized again. The program's return value
+    is the episode's reward. A request after the episode's last turn is answered with an empty reply
+    (finish_reason `length`); the episode waits for the program's return within multi_turn.step_timeout_s."""
+
+    def __init__(self, agent: CustomReward, eos_token: str | None):
+        self.agent, self.eos = agent, eos_token or ""
+        self.events: queue.Queue = queue.Queue()  # ("request", messages) | ("done", reward) | ("error", exc)
+        self.replies: queue.Queue = queue.Queue()  # the policy's reply to the request that waits
+        self.history: list[dict] = []
+        self.last_turn_done = False
+
+    def reset(self, row: dict, seed: int) -> list[dict]:
+        hub = agent_hub()
+        self.id = uuid.uuid4().hex
+        hub.episodes[self.id] = self
+        play = self.agent.function()  # imported in this process on the first episode
+        args = (hub.base_url(self.id), dict(row), seed)
+        threading.Thread(target=self._run, args=(play, *args), name=f"agent {self.id}", daemon=True).start()
+        kind, value = self.events.get()
+        if kind != "request":
+            self._close()
+            raise value if kind == "error" else RewardError("the agent returned without asking the policy")
+        self.history = value
+        return value
+
+    def _run(self, play, base_url: str, row: dict, seed: int) -> None:
+        try:
+            self.events.put(("done", play(base_url, row, seed)))
+        except BaseException as exc:  # noqa: BLE001 - the rollout names the agent and the episode
+            self.events.put(("error", exc))
+
+    def ask(self, body: dict) -> dict:
+        """A request of the program (in the endpoint's thread): the policy's reply once the rollout has it."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: a non-empty list of {role, content} is required")
+        if self.last_turn_done:  # the episode has had its multi_turn.max_turns replies
+            return completion("", False, body, 0, 0)
+        self.events.put(("request", messages))
+        text, ended = self.replies.get()
+        return completion(text, ended, body, 0, 0)
+
+    def step(self, text: str, last_turn: bool) -> Step:
+        ended = bool(self.eos) and text.endswith(self.eos)
+        reply = text.removesuffix(self.eos) if ended else text
+        self.history = [*self.history, {"role": "assistant", "content": reply}]
+        self.last_turn_done = last_turn
+        self.replies.put((reply, ended))
+        while True:
+            kind, value = self.events.get()
+            if kind == "request" and self.last_turn_done:
+                continue  # answered empty by ask(); the program's return is what the episode waits for
+            if kind == "request":
+                held = len(self.history)
+                if value[:held] != self.history:
+                    self._close()
+                    raise RewardError(
+                        "the agent's request does not repeat the conversation so far, each reply as returned "
+                        "(token in, token out: the episode's tokens are never tokenized again)"
+                    )
+                self.history = value
+                return Step(observation=value[held:], role="user")
+            self._close()
+            if kind == "error":
+                raise value
+            return Step(reward=value, done=True)
+
+    def close(self) -> None:
+        """The rollout ended the episode early (its context is full): the request that waits gets an empty
+        reply, any later one too, and the program's return is not waited for."""
+        self.last_turn_done = True
+        self.replies.put(("", False))
+        self._close()
+
+    def _close(self) -> None:
+        agent_hub().episodes.pop(getattr(self, "id", ""), None)
+
+
+@register("agent")
+def agent_env(settings, tools: dict):
+    """A new episode of the agent program of multi_turn.agent per sample."""
+    agent = load_agent(settings.agent)
+    return lambda: AgentEpisode(agent, settings.eos_token)

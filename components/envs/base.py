@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 class Step:
     """What an environment answers an assistant turn with. observation None (or done) ends the episode."""
 
-    observation: str | None = None
+    observation: str | list[dict] | None = None  # a message of `role`, or messages (an agent's new ones)
     reward: float | None = None
     done: bool = False
     role: str = "tool"

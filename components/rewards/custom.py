@@ -19,12 +19,35 @@ import threading
 import traceback
 import types
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 from components.errors import ConfigError, RewardError
 
 CHECK_TIMEOUT_S = 60.0  # importing the file in the check process: a hang there is refused
+
+
+@dataclass(frozen=True)
+class UserCode:
+    """A kind of user function loaded from a file of the project: the keys that name its file and function
+    (the errors name them), the arguments it is called with (its signature must take them: checked with
+    sample values) and how the errors write that call."""
+
+    path_key: str
+    name_key: str
+    sample_args: str  # JSON: hashable, and what the check process reads
+    called_as: str
+    what: str
+
+
+REWARD = UserCode(
+    "custom_reward_function.path",
+    "custom_reward_function.name",
+    '["response", "ground truth", {}]',
+    "(response_text, ground_truth, extra_info)",
+    "reward",
+)
 
 
 def _line_in(exc: BaseException, path: Path) -> str:
@@ -35,18 +58,18 @@ def _line_in(exc: BaseException, path: Path) -> str:
     return f"{path}:{frames[-1].lineno}" if frames else str(path)
 
 
-def _file_of(path: str) -> Path:
+def _file_of(path: str, kind: UserCode = REWARD) -> Path:
     """The file at `path` (relative to the working directory, which must contain it)."""
     root, file = Path.cwd().resolve(), Path(path).resolve()
     if root not in file.parents:
         raise ConfigError(
-            f"custom_reward_function.path={path}: resolves to {file}, outside the project "
+            f"{kind.path_key}={path}: resolves to {file}, outside the project "
             f"{root}. Put the file inside the project and give its relative path."
         )
     if not file.is_file() or file.suffix != ".py":
         raise ConfigError(
-            f"custom_reward_function.path={path}: no Python file there. Give the path of a .py "
-            "file that defines the reward function."
+            f"{kind.path_key}={path}: no Python file there. Give the path of a .py "
+            f"file that defines the {kind.what} function."
         )
     return file
 
@@ -61,19 +84,20 @@ def check_custom_reward(cfg) -> None:
         _checked(c.path, str(file), c.name, hashlib.md5(file.read_bytes()).hexdigest())
 
 
-def load_custom_reward(path: str, name: str) -> CustomReward:
-    """The scorer `name` of the file at `path`, checked (check_custom_reward) but not imported here."""
-    file = _file_of(path)
+def load_custom_reward(path: str, name: str, kind: UserCode = REWARD) -> CustomReward:
+    """The function `name` of the file at `path` (a scorer by default), checked (check_custom_reward) but not
+    imported here."""
+    file = _file_of(path, kind)
     source = file.read_bytes()
-    _checked(path, str(file), name, hashlib.md5(source).hexdigest())
-    return CustomReward(path, str(file), name, source.decode("utf-8", "replace"))
+    _checked(path, str(file), name, hashlib.md5(source).hexdigest(), kind)
+    return CustomReward(path, str(file), name, source.decode("utf-8", "replace"), kind)
 
 
 # run by `python -c` in the check process: import the file, then report on stdout as JSON and leave with
 # os._exit, so a thread the file started cannot keep this process alive either
 CHECK = r"""
 import importlib.util, inspect, json, os, sys, threading, traceback
-file, name = sys.argv[1], sys.argv[2]
+file, name, sample_args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 
 def report(**fields):
     sys.stdout.write(json.dumps(fields))
@@ -102,7 +126,7 @@ signature, binds = None, True
 if callable(fn):
     try:
         signature = str(inspect.signature(fn))
-        inspect.signature(fn).bind("response", "ground truth", {})
+        inspect.signature(fn).bind(*sample_args)
     except TypeError as exc:
         binds = str(exc)
     except ValueError:
@@ -112,12 +136,12 @@ report(threads=threads, callable=callable(fn), found=found, signature=signature,
 
 
 @lru_cache(maxsize=8)
-def _checked(path: str, file: str, name: str, _digest: str) -> None:
+def _checked(path: str, file: str, name: str, _digest: str, kind: UserCode = REWARD) -> None:
     """Import the file in a process of its own and check what it defines, once per file content."""
-    where = f"custom_reward_function.path={path}"
+    where = f"{kind.path_key}={path}"
     try:
         res = subprocess.run(
-            [sys.executable, "-c", CHECK, file, name],
+            [sys.executable, "-c", CHECK, file, name, kind.sample_args],
             capture_output=True,
             text=True,
             timeout=CHECK_TIMEOUT_S,
@@ -125,7 +149,7 @@ def _checked(path: str, file: str, name: str, _digest: str) -> None:
         )
     except subprocess.TimeoutExpired:
         raise RewardError(
-            f"{where}: importing it did not finish within {CHECK_TIMEOUT_S:g} s; a reward module must not "
+            f"{where}: importing it did not finish within {CHECK_TIMEOUT_S:g} s; a {kind.what} module must not "
             "block at import (do the work inside the function)."
         ) from None
     try:
@@ -135,12 +159,12 @@ def _checked(path: str, file: str, name: str, _digest: str) -> None:
     if not isinstance(report, dict):
         raise RewardError(
             f"{where}: importing it ended the process (exit code {res.returncode}) before it could be "
-            "checked; a reward module must not exit, kill or replace its process at import."
+            f"checked; a {kind.what} module must not exit, kill or replace its process at import."
         )
     at = f"{file}:{report['line']}" if report.get("line") else file
     if report.get("problem") == "exit":
         raise RewardError(
-            f"{where}: it calls sys.exit({report['code']}) at import ({at}); a reward module must not end "
+            f"{where}: it calls sys.exit({report['code']}) at import ({at}); a {kind.what} module must not end "
             "the process. Remove the exit, or move it under `if __name__ == '__main__':`."
         )
     if report.get("problem") == "raised":
@@ -154,13 +178,13 @@ def _checked(path: str, file: str, name: str, _digest: str) -> None:
         )
     if not report["callable"]:
         raise ConfigError(
-            f"custom_reward_function.name={name}: {path} defines no function {name!r} (it has: "
-            f"{', '.join(report['found']) or 'none'}). Set custom_reward_function.name to one of them."
+            f"{kind.name_key}={name}: {path} defines no function {name!r} (it has: "
+            f"{', '.join(report['found']) or 'none'}). Set {kind.name_key} to one of them."
         )
     if report["binds"] is not True:
         raise ConfigError(
-            f"custom_reward_function.name={name}: {path} defines {name}{report['signature']}, but a "
-            f"reward function is called as {name}(response_text, ground_truth, extra_info) "
+            f"{kind.name_key}={name}: {path} defines {name}{report['signature']}, but a "
+            f"{kind.what} function is called as {name}{kind.called_as} "
             f"({report['binds']}). Give it those three parameters."
         )
 
@@ -195,9 +219,9 @@ class CustomReward:
     """The user's function as data: the file's path and source, imported on the first call in the process
     that scores (the RewardScorer actor, or the evaluation's process), never in the training driver."""
 
-    def __init__(self, path: str, file: str, name: str, source: str):
-        self.path, self.file, self.name, self.source = path, file, name, source
-        self.origin = f"{name} in {file} (custom_reward_function)"
+    def __init__(self, path: str, file: str, name: str, source: str, kind: UserCode = REWARD):
+        self.path, self.file, self.name, self.source, self.kind = path, file, name, source, kind
+        self.origin = f"{name} in {file} ({kind.path_key.split('.')[0]})"
 
     def function(self):
         key = (self.file, hashlib.md5(self.source.encode()).hexdigest())
@@ -205,9 +229,7 @@ class CustomReward:
             _IMPORTED[key] = self._import()
         fn = getattr(_IMPORTED[key], self.name, None)
         if not callable(fn):
-            raise RewardError(
-                f"custom_reward_function.name={self.name}: {self.path} defines no {self.name!r}"
-            )
+            raise RewardError(f"{self.kind.name_key}={self.name}: {self.path} defines no {self.name!r}")
         return fn
 
     def _import(self) -> types.ModuleType:
@@ -219,18 +241,18 @@ class CustomReward:
                 exec(compile(self.source, self.file, "exec"), module.__dict__)
         except SystemExit as exc:
             raise RewardError(
-                f"custom_reward_function.path={self.path}: it calls sys.exit({exc.code!r}) at import "
-                f"({_line_in(exc, file)}); a reward module must not end the process."
+                f"{self.kind.path_key}={self.path}: it calls sys.exit({exc.code!r}) at import "
+                f"({_line_in(exc, file)}); a {self.kind.what} module must not end the process."
             ) from None
         except Exception as exc:
             raise RewardError(
-                f"custom_reward_function.path={self.path}: importing it failed at {_line_in(exc, file)}: "
+                f"{self.kind.path_key}={self.path}: importing it failed at {_line_in(exc, file)}: "
                 f"{type(exc).__name__}: {exc}."
             ) from None
         held = [t.name for t in started if not t.daemon]
         if held:
             raise RewardError(
-                f"custom_reward_function.path={self.path}: it starts a thread at import ({held[0]}) that "
+                f"{self.kind.path_key}={self.path}: it starts a thread at import ({held[0]}) that "
                 "would keep the process alive; start threads inside the function, as daemon threads."
             )
         return module

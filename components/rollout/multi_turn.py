@@ -8,17 +8,20 @@ turns, while `attention_mask` (1 on every response token) is what the model sees
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
 
 from components.data import templates
-from components.envs.base import Environment, bounded, checked_reward
+from components.envs.base import Environment, Step, bounded, checked_reward
+from components.errors import RewardError
 from components.rollout.base import RolloutOutput
 from components.rollout.tools import CALL_CLOSE, TOOLS
 from components.seeding import derive_seed
 from components.settings import SamplingParams
 
+log = logging.getLogger(__name__)
 _MARK = "\u2063ASSISTANT\u2063"  # a placeholder no real answer contains
 
 
@@ -59,6 +62,15 @@ def tool_turn_text(tokenizer, result: str, after_eos: bool, role: str = "tool") 
     <tool_response>...`; a game's next move, `user`). When the assistant turn already ended with EOS, a leading
     EOS in that text is not repeated."""
     return turns_after_reply(tokenizer, [{"role": role, "content": result}], after_eos)
+
+
+def observation_text(tokenizer, step: Step, max_chars: int, after_eos: bool) -> str:
+    """A step's observation as the text after the reply: one message of step.role, or the messages it gives
+    (an agent's new messages), each content cut to max_chars."""
+    if isinstance(step.observation, str):
+        return tool_turn_text(tokenizer, step.observation[:max_chars], after_eos, step.role)
+    cut = [{**m, "content": str(m.get("content") or "")[:max_chars]} for m in step.observation]
+    return turns_after_reply(tokenizer, cut, after_eos)
 
 
 def turns_after_reply(tokenizer, messages: list[dict], after_eos: bool) -> str:
@@ -124,17 +136,27 @@ def play_episodes(
     max_obs_chars: int = 256,
     env_name: str = "tools",
     step_timeout_s: float = 60.0,
+    max_context: int = 4096,
 ) -> MultiTurnOutput:
     """params.n samples per prompt (row i*n + j is sample j of prompt i, played by envs[i*n + j]), each up to
-        max_turns assistant turns of at most params.max_new_tokens tokens. A turn stops at EOS, or at
-        `</tool_call>` when that is one token; the environment's observation, cut to max_obs_chars, is appended
-        as a turn of its role. The episode ends when the environment says so or the turns run out. A step that
-    raises or takes longer than step_timeout_s is a RewardError naming the environment, episode and turn."""
+            max_turns assistant turns of at most params.max_new_tokens tokens. A turn stops at EOS, or at
+            `</tool_call>` when that is one token; the environment's observation, cut to max_obs_chars, is appended
+            as a turn of its role. The episode ends when the environment says so or the turns run out. A step that
+        raises or takes longer than step_timeout_s is a RewardError naming the environment, episode and turn.
+    Each turn fits max_context (actor.model.max_seq_len): first messages that leave no room for a reply are a
+    RewardError; an observation that would leave none ends its episode (a warning, counted as `context_full`)."""
     eos = tokenizer.eos_token_id
     close = single_token(tokenizer, CALL_CLOSE)
     turn_params = replace(params, n=1, stop_token_ids=(close,) if close is not None else ())
     contexts = [list(p) for p in prompts for _ in range(params.n)]
     n_rows = len(contexts)
+    for i, context in enumerate(contexts):  # an opening that leaves no room for a reply is the config's error
+        if len(context) + params.max_new_tokens > max_context:
+            raise RewardError(
+                f"environment {env_name}, episode {i}: its first messages are {len(context)} tokens, and with "
+                f"engine.max_new_tokens={params.max_new_tokens} they pass actor.model.max_seq_len={max_context}; "
+                "raise actor.model.max_seq_len or shorten the environment's opening"
+            )
     tokens: list[list[int]] = [[] for _ in range(n_rows)]
     loss: list[list[int]] = [[] for _ in range(n_rows)]
     logps: list[list[float]] = [[] for _ in range(n_rows)]
@@ -142,6 +164,7 @@ def play_episodes(
     counts: dict[str, list[float]] = {}
     rewards = [float("nan")] * n_rows
     active, version = list(range(n_rows)), engine.weights_version
+    full: list[tuple[int, int, int]] = []  # (episode, turn, observation tokens) of episodes the context ended
     for turn in range(max_turns):
         if not active:
             break
@@ -172,17 +195,33 @@ def play_episodes(
             if step.ends or turn == max_turns - 1:
                 continue
             delta = tokenizer(
-                tool_turn_text(
-                    tokenizer, step.observation[:max_obs_chars], bool(new) and new[-1] == eos, step.role
-                ),
+                observation_text(tokenizer, step, max_obs_chars, bool(new) and new[-1] == eos),
                 add_special_tokens=False,
             )["input_ids"]
+            if len(contexts[i]) + len(delta) + params.max_new_tokens > max_context:
+                # the observation leaves no room for the next reply: the episode ends before it, counted
+                full.append((i, turn + 1, len(delta)))
+                counts.setdefault("context_full", [0.0] * n_rows)[i] += 1
+                getattr(envs[i], "close", lambda: None)()  # an agent waiting on its request is let go
+                continue
             tokens[i] += delta
             loss[i] += [0] * len(delta)
             logps[i] += [0.0] * len(delta)
             contexts[i] += delta
             still.append(i)
         active = still
+    if full:
+        (i, turn, size), more = full[0], len(full) - 1
+        log.warning(
+            "environment %s, episode %d, turn %d: its observation (%d tokens) would pass "
+            "actor.model.max_seq_len=%d; the episode ends there%s",
+            env_name,
+            i,
+            turn,
+            size,
+            max_context,
+            f" ({more} more episodes alike)" if more else "",
+        )
     width = max(1, max(len(t) for t in tokens))
     responses = torch.full((n_rows, width), tokenizer.pad_token_id, dtype=torch.long)
     response_mask = torch.zeros((n_rows, width), dtype=torch.long)

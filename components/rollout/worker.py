@@ -61,11 +61,13 @@ class RolloutWorker:
             key=key,
         )
         self.multi_turn = multi_turn
+        self.max_context = (options or EngineOptions()).max_model_len  # an episode's turns must fit it
         self.tools, self.episodes = {}, None  # the tools real models see; a new environment per episode
         if multi_turn:
             from components.envs.base import episode_factory
 
             self.tools = make_tools(list(multi_turn.tools), multi_turn.sandbox_limits, multi_turn.concurrency)
+            multi_turn = replace(multi_turn, eos_token=self.tokenizer.eos_token)
             self.episodes = episode_factory(multi_turn.env, multi_turn, self.tools)
         if lora is not None and model is None:  # a colocated engine samples with the policy's own adapters
             self.engine.use_adapters(lora)
@@ -178,6 +180,7 @@ class RolloutWorker:
                 m.max_tool_chars,
                 m.env,
                 m.step_timeout_s,
+                self.max_context,
             )
             batch = rollout_batch(rows, prompt_ids, mt.out, params.n, self.tokenizer.pad_token_id, iteration)
             batch = batch.union(

@@ -209,6 +209,19 @@ def test_a_run_without_ray_as_written(user):
     assert [r.info.status for r in runs] == ["FINISHED"] and runs[0].data.params["trainer.iterations"] == "5"
 
 
+def test_an_agent_program_trained_as_written(user):
+    """docs/environments.md's agent run: agents/guess_number.py plays every episode through the openai client
+    in the rollout; a FINISHED run whose episodes have more than one turn and whose reward is the agent's."""
+    ok(user.run(as_script(marked("test_an_agent_program_trained_as_written")), 900), "block")
+    from mlflow.tracking import MlflowClient
+
+    (run,) = mlflow_runs(user, "params.`multi_turn.env` = 'agent'")
+    store = MlflowClient(f"sqlite:///{user.checkout / 'mlflow.db'}")
+    turns = [m.value for m in store.get_metric_history(run.info.run_id, "env/agent/turns")]
+    rewards = [m.value for m in store.get_metric_history(run.info.run_id, "reward/env/mean")]
+    assert run.info.status == "FINISHED" and len(turns) == len(rewards) > 0 and max(turns) > 1.0, turns
+
+
 def test_the_calculator_pipeline_as_written(user):
     """docs/rewards.md's multi-turn pipeline on configs/arith_tool_grpo.yaml: its data, the SFT that shows the
     calculator, GRPO with calls, and the evaluation written where the block says, with both models' figures."""

@@ -17,6 +17,8 @@ GAME = (
     "multi_turn.max_turns=3",
     "engine.max_new_tokens=6",
     "data.batch_size=2",
+    # the game's opening is ~520 tokens of the character-level tokenizer; three turns and its answers follow
+    "actor.model.max_seq_len=800",
 )
 
 

@@ -66,7 +66,7 @@ def test_tool_calling_is_an_environment():
     assert env.reset({"prompt": "x"}, 0) is None
     assert env.step("#### 4", last_turn=False).ends
     with pytest.raises(
-        ValueError, match="multi_turn.env='nope': no such environment; valid: textarena, tools"
+        ValueError, match="multi_turn.env='nope': no such environment; valid: agent, textarena, tools"
     ):
         episode_factory("nope")
 
@@ -187,7 +187,7 @@ def test_the_config_refuses_an_unknown_environment_listing_the_valid_ones():
     from components.errors import ConfigError
 
     with pytest.raises(
-        ConfigError, match=r"multi_turn.env='chess': no such environment; valid: textarena, tools"
+        ConfigError, match=r"multi_turn.env='chess': no such environment; valid: agent, textarena, tools"
     ):
         load_config("configs/arith_grpo.yaml", ["multi_turn.env=chess"])
 
@@ -206,3 +206,46 @@ def test_the_docs_environment_as_written():
         assert env.step("7", last_turn=False).reward == 1.0 and env.step("3", last_turn=True).reward == 0.0
     finally:
         ENVS.pop("guess", None)
+
+
+def test_an_opening_past_the_context_is_refused_naming_the_episode(tokenizer):
+    engine = ScriptedEngine(tokenizer, [["5"]])
+    with pytest.raises(
+        RewardError,
+        match=r"environment guess, episode 0: its first messages are 10 tokens, and with "
+        r"engine.max_new_tokens=4 they pass actor.model.max_seq_len=12",
+    ):
+        play_episodes(
+            engine,
+            tokenizer,
+            [[5] * 10],
+            SamplingParams(n=1, max_new_tokens=4),
+            0,
+            [Guess()],
+            2,
+            env_name="guess",
+            max_context=12,
+        )
+
+
+def test_an_observation_past_the_context_ends_its_episode_and_is_counted(tokenizer, caplog):
+    class Chatty(Guess):
+        def step(self, text, last_turn):
+            return Step("higher " * 20, role="user")  # far more than the context has room for
+
+    engine = ScriptedEngine(tokenizer, [["5"], ["6"]])
+    mt = play_episodes(
+        engine,
+        tokenizer,
+        [[5]],
+        SamplingParams(n=1, max_new_tokens=4),
+        0,
+        [Chatty()],
+        3,
+        env_name="guess",
+        max_context=40,
+    )
+    assert mt.num_turns.tolist() == [1.0] and mt.counts["context_full"].tolist() == [1.0]
+    assert mt.out.response_mask.sum() == mt.out.responses.ne(tokenizer.pad_token_id).sum()  # no observation
+    (said,) = caplog.messages
+    assert said.startswith("environment guess, episode 0, turn 1: its observation (") and "ends there" in said

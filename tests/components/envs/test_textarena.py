@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from components.envs.base import episode_factory
 from components.settings import MultiTurnSettings
 
@@ -36,3 +38,16 @@ def test_a_move_out_of_format_is_answered_and_a_game_out_of_turns_pays_0():
     last = env.step("[1]", last_turn=True)
     assert last.done and last.reward in (0.0, 1.0)  # 1 only if 1 was the number
     assert game().reset({}, seed=1) == game().reset({}, seed=1)  # the seed decides the game
+
+
+def test_the_config_refuses_an_unknown_game_naming_the_closest():
+    from components.config import load_config
+    from components.errors import ConfigError
+
+    game = ("multi_turn.enable=true", "multi_turn.env=textarena")
+    with pytest.raises(
+        ConfigError,
+        match=r"multi_turn.game='GuessTheNumbr-v0': TextArena has no such game; the closest: GuessTheNumber-v0",
+    ):
+        load_config("configs/arith_grpo.yaml", [*game, "multi_turn.game=GuessTheNumbr-v0"])
+    assert load_config("configs/arith_grpo.yaml", [*game]).multi_turn.game == "GuessTheNumber-v0"
