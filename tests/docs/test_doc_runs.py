@@ -82,6 +82,15 @@ def finished(run_id: str) -> dict | None:
     return state if state.get("type") in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
 
 
+def answers(url: str) -> bool | None:
+    """True once `url` answers 200, else None (wait_for's "not yet")."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return True if answer.status == 200 else None
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return None
+
+
 def why_not_completed(run_id: str, state: dict, worker: Terminal) -> str:
     """What a failed or crashed run said: its state's message, the run's own log lines from the server (the
     pull steps' and the flow's), and the worker's last lines."""
@@ -89,7 +98,7 @@ def why_not_completed(run_id: str, state: dict, worker: Terminal) -> str:
     said = "\n".join(f"{line['level']:>2} {line['name']}: {line['message']}" for line in logs)
     return (
         f"{state['type']}: {state.get('message')}\nthe run's logs:\n{said[-6000:]}\n"
-        f"the worker's last lines:\n{worker.said()[-2000:]}"
+        f"the worker's last lines:\n{worker.said()[-8000:]}"
     )
 
 
@@ -252,6 +261,9 @@ def test_a_work_pools_worker_as_written(user, tmp_path):
     )
     worker = None
     try:
+        # the doc's MLflow server is up before the runs that log to it, as a user's is: on a loaded machine it
+        # takes longer to answer than the first stage of a worker's run takes to ask (a run that then failed)
+        wait_for(lambda: answers("http://127.0.0.1:5000/health"), "MLflow server", 240, tracking)
         said = ok(user.run(as_script(deploy, **given), 600), "the first terminal")
         run_id = flow_run_id(said)
         worker = user.terminal(as_script(work, **given), tmp_path / "worker.log")
