@@ -109,15 +109,9 @@ class AgentServer:
             text = templates.render(self.tokenizer, messages, add_generation_prompt=True)
             ep.prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             return list(ep.prompt)
-        held = len(ep.messages)
-        if messages[:held] != ep.messages:
-            raise ValueError(
-                "messages must repeat the conversation so far, each reply as it was returned (token in, token "
-                "out: the episode's tokens are never tokenized again)"
-            )
         from components.rollout.multi_turn import turns_after_reply
 
-        text = turns_after_reply(self.tokenizer, messages[held:], ep.ended_with_eos)
+        text = turns_after_reply(self.tokenizer, new_messages(ep.messages, messages), ep.ended_with_eos)
         delta = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         ep.tokens += delta
         ep.loss += [0] * len(delta)
@@ -129,6 +123,17 @@ class AgentServer:
         if ep is None or ep.calls == 0:
             raise RewardError(f"agent episode {episode_id}: the agent made no chat completion request")
         return ep
+
+
+def new_messages(history: list[dict], messages: list[dict]) -> list[dict]:
+    """The messages a request adds after `history` (the conversation so far, each reply as returned); a
+    ValueError when it does not repeat that history (token in, token out: it is never tokenized again)."""
+    if messages[: len(history)] != history:
+        raise ValueError(
+            "messages must repeat the conversation so far, each reply as it was returned (token in, token "
+            "out: the episode's tokens are never tokenized again)"
+        )
+    return messages[len(history) :]
 
 
 def serve_chat_completions(complete) -> ThreadingHTTPServer:
@@ -290,24 +295,20 @@ class AgentEpisode:
         self.history = [*self.history, {"role": "assistant", "content": reply}]
         self.last_turn_done = last_turn
         self.replies.put((reply, ended))
-        while True:
-            kind, value = self.events.get()
-            if kind == "request" and self.last_turn_done:
-                continue  # answered empty by ask(); the program's return is what the episode waits for
-            if kind == "request":
-                held = len(self.history)
-                if value[:held] != self.history:
-                    self._close()
-                    raise RewardError(
-                        "the agent's request does not repeat the conversation so far, each reply as returned "
-                        "(token in, token out: the episode's tokens are never tokenized again)"
-                    )
-                self.history = value
-                return Step(observation=value[held:], role="user")
-            self._close()
-            if kind == "error":
-                raise value
-            return Step(reward=value, done=True)
+        # after the last reply, ask() answers further requests itself: only the program's return comes here
+        kind, value = self.events.get()
+        if kind == "request":
+            try:
+                observation = new_messages(self.history, value)
+            except ValueError as exc:
+                self._close()
+                raise RewardError(f"the agent's request: {exc}") from None
+            self.history = value
+            return Step(observation=observation, role="user")
+        self._close()
+        if kind == "error":
+            raise value
+        return Step(reward=value, done=True)
 
     def close(self) -> None:
         """The rollout ended the episode early (its context is full): the request that waits gets an empty

@@ -139,10 +139,10 @@ def play_episodes(
     max_context: int = 4096,
 ) -> MultiTurnOutput:
     """params.n samples per prompt (row i*n + j is sample j of prompt i, played by envs[i*n + j]), each up to
-            max_turns assistant turns of at most params.max_new_tokens tokens. A turn stops at EOS, or at
-            `</tool_call>` when that is one token; the environment's observation, cut to max_obs_chars, is appended
-            as a turn of its role. The episode ends when the environment says so or the turns run out. A step that
-        raises or takes longer than step_timeout_s is a RewardError naming the environment, episode and turn.
+    max_turns assistant turns of at most params.max_new_tokens tokens. A turn stops at EOS, or at
+    `</tool_call>` when that is one token; the environment's observation, cut to max_obs_chars, is appended
+    as a turn of its role. The episode ends when the environment says so or the turns run out. A step that
+    raises or takes longer than step_timeout_s is a RewardError naming the environment, episode and turn.
     Each turn fits max_context (actor.model.max_seq_len): first messages that leave no room for a reply are a
     RewardError; an observation that would leave none ends its episode (a warning, counted as `context_full`)."""
     eos = tokenizer.eos_token_id
