@@ -101,10 +101,25 @@ class Held:
             self.fd = -1
 
 
+_KEPT: dict[str, Held] = {}  # the locks this process keeps until it exits (keep()), by real path
+
+
+def keep(path: str | Path, what: str) -> None:
+    """Take the lock at `path` for the rest of this process (AlreadyRunning if another holds it): a command
+    that answers "already running" before it starts any service, then runs the flow that takes the same
+    lock. exclusive() on this path is then a no-op: a second flock of it from this process would refuse."""
+    key = os.path.realpath(path)
+    if key not in _KEPT:
+        _KEPT[key] = Held(path, what)
+
+
 @contextmanager
 def exclusive(path: str | Path, what: str, wait_s: float = 0.0):
     """Hold an flock on `path` for the block, waiting up to `wait_s` for it; AlreadyRunning (naming the
-    holder's pid) if it stays taken."""
+    holder's pid) if it stays taken. Nothing to take when this process keeps it already (keep())."""
+    if os.path.realpath(path) in _KEPT:
+        yield
+        return
     held = Held(path, what, wait_s)
     try:
         yield

@@ -66,11 +66,12 @@ def checked_config(path: str, overrides: list[str], debug: bool = False):
 
 def free_to_train(path: str, overrides: list[str], pipeline: str | None, debug: bool = False) -> int:
     """Before Prefect's server or Ray starts (a fraction of a second, no torch): the config parses, the training
-    output directory is ours to write, and, for a pipeline, no other run of it holds the pipeline's lock (a
-    training never waits on another: each has a run directory of its own, components/locking.py). 0 when
-    free; 2 with the one line printed. The overrides were checked as given already (flows.cli)."""
+    output directory is ours to write, and, for a pipeline, this process takes the pipeline's lock and keeps
+    it to its exit (of two nightlies started together, one trains and the other exits here, starting
+    nothing; a training never waits on another: each has a run directory of its own, components/locking.py).
+    0 when free; 2 with the one line printed. The overrides were checked as given already (flows.cli)."""
     from components.config.loader import load_config
-    from components.locking import check_free, pipeline_lock
+    from components.locking import keep, pipeline_lock
     from components.outputs import TRAIN_OUTPUT, check_output
 
     try:
@@ -78,7 +79,7 @@ def free_to_train(path: str, overrides: list[str], pipeline: str | None, debug: 
         t = cfg.trainer
         output = check_output(t.output_dir, "trainer.output_dir", TRAIN_OUTPUT, t.run_dir)
         if pipeline is not None:
-            check_free(pipeline_lock(output), f"pipeline {pipeline}")
+            keep(pipeline_lock(output), f"pipeline {pipeline}")
     except ReinforgeError as exc:
         return report(exc, debug)
     return 0

@@ -67,3 +67,22 @@ def test_a_waiting_taker_gets_the_lock_once_it_is_released_and_names_the_holder_
         pytest.raises(AlreadyRunning, match=r"already running \(pid \d+, lock .* for 0.2 s\)"),
     ):
         Held(lock, "a run picking its directory", wait_s=0.2)
+
+
+def test_a_kept_lock_refuses_others_and_the_keepers_own_block_takes_it_as_held(tmp_path):
+    """The nightly command keeps its pipeline's lock from before any service starts; the flow it then runs
+    takes the same lock with exclusive(), which must not refuse its own process."""
+    from components import locking
+
+    lock = tmp_path / ".nightly.lock.pipeline"
+    locking.keep(lock, "pipeline nightly")
+    try:
+        assert locking.is_held(lock)  # another open of the file (another process's) is refused
+        with pytest.raises(AlreadyRunning, match=r"pipeline nightly is already running \(pid \d+"):
+            locking.Held(lock, "pipeline nightly")
+        with locking.exclusive(lock, "pipeline nightly"):  # the flow inside the command
+            assert locking.is_held(lock)
+        assert locking.is_held(lock)  # still kept after the flow's block
+    finally:
+        locking._KEPT.pop(str(lock.resolve())).release()
+    assert not locking.is_held(lock)
