@@ -53,6 +53,9 @@ class Batch:
     def union(self, **tensors: torch.Tensor) -> Batch:
         return Batch({**self.tensors, **tensors}, dict(self.non_tensors), dict(self.meta))
 
+    def with_non_tensors(self, **fields: list) -> Batch:
+        return Batch(dict(self.tensors), {**self.non_tensors, **fields}, dict(self.meta))
+
     @staticmethod
     def concat(parts: list[Batch]) -> Batch:
         first = parts[0]

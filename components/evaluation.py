@@ -68,9 +68,8 @@ def evaluate(
             # an episode the environment rewarded counts as the environment's: val/<env>/acc
             env_scores, given, _ = with_env_rewards(torch.tensor(s, dtype=torch.float32), batch)
             s = env_scores.tolist()
-            src = [
-                batch.meta.get("env", "env") if g else d for g, d in zip(given.tolist(), nt["data_source"])
-            ]
+            envs = nt.get("env") or [batch.meta.get("env", "env")] * len(batch)
+            src = [e if g else d for g, e, d in zip(given.tolist(), envs, nt["data_source"])]
             if mode == "greedy" and on_greedy is not None:
                 on_greedy(rows[start : start + batch_size], texts, s)
             scores += s

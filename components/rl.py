@@ -159,16 +159,26 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
 
 
 def env_metrics(batch: Batch) -> dict[str, float]:
-    """A multi-turn rollout's figures under its environment's name: env/<env>/turns, env/<env>/reward (the
-    mean over the episodes it rewarded) and env/<env>/<counter> (each episode counter's mean)."""
-    t, env = batch.tensors, batch.meta.get("env", "env")
-    out = {f"env/{env}/turns": float(t["num_turns"].float().mean())}
-    if "env_reward" in t and torch.isfinite(t["env_reward"]).any():
-        rewarded = t["env_reward"][torch.isfinite(t["env_reward"])]
-        out[f"env/{env}/reward"] = float(rewarded.mean())
-    for key, values in t.items():
-        if key.startswith(ENV_COUNT):
-            out[f"env/{env}/{key.removeprefix(ENV_COUNT)}"] = float(values.mean())
+    """A multi-turn rollout's figures under each environment's name (the batch's `env`: each episode's; one
+    name for all in a batch without it): env/<env>/turns, env/<env>/reward (the mean over the episodes it
+    rewarded) and env/<env>/<counter> over its episodes, for the counters it declares (meta env_counters) and
+    any no played environment declares (`context_full`)."""
+    t, n = batch.tensors, len(batch)
+    names = batch.non_tensors.get("env") or [batch.meta.get("env", "env")] * n
+    declared = batch.meta.get("env_counters", {})
+    owned = {c for counters in declared.values() for c in counters}
+    out = {}
+    for env in dict.fromkeys(names):
+        mine = torch.tensor([name == env for name in names])
+        out[f"env/{env}/turns"] = float(t["num_turns"][mine].float().mean())
+        if "env_reward" in t:
+            reward = t["env_reward"][mine]
+            if torch.isfinite(reward).any():
+                out[f"env/{env}/reward"] = float(reward[torch.isfinite(reward)].mean())
+        for key, values in t.items():
+            counter = key.removeprefix(ENV_COUNT)
+            if key.startswith(ENV_COUNT) and (counter in declared.get(env, ()) or counter not in owned):
+                out[f"env/{env}/{counter}"] = float(values[mine].float().mean())
     return out
 
 

@@ -9,6 +9,7 @@ the workers all read these types without loading what the others need.
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -121,6 +122,17 @@ class MultiTurnSettings:
     eos_token: str | None = (
         None  # the policy tokenizer's, set by the rollout worker (an agent's reply ends there)
     )
+    envs: tuple[tuple[str, str], ...] = ()  # a mixture: (data_source pattern, environment), first match wins
+
+    def env_of(self, data_source: str) -> str:
+        """The environment a row of `data_source` plays: the first multi_turn.envs pattern it matches, else
+        multi_turn.env."""
+        return next((e for p, e in self.envs if fnmatch.fnmatchcase(data_source, p)), self.env)
+
+    @property
+    def played(self) -> tuple[str, ...]:
+        """Every environment a row may play, multi_turn.env first."""
+        return tuple(dict.fromkeys([self.env, *(e for _, e in self.envs)]))
 
     @classmethod
     def from_config(cls, cfg: Config) -> MultiTurnSettings | None:
@@ -137,6 +149,7 @@ class MultiTurnSettings:
             m.game,
             m.step_timeout_s,
             m.agent,
+            envs=tuple(m.envs.items()),
         )
 
 

@@ -12,8 +12,8 @@ SCORER_NAMES = ("code", "countdown", "gsm8k", "math")
 # components/rollout/tools.py TOOLS: multi_turn.tools
 TOOL_NAMES = ("calculator", "python")
 
-# components/envs ENVS: multi_turn.env
-ENV_NAMES = ("agent", "textarena", "tools")
+# components/envs ENVS: multi_turn.env and multi_turn.envs' values
+ENV_NAMES = ("agent", "single", "textarena", "tools")
 
 # components/training/backends.py BACKENDS: the trainer.backend values whose workers are Ray actors (Ray is
 # started, or RAY_ADDRESS's cluster checked, for them alone)

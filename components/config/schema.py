@@ -342,7 +342,14 @@ class MultiTurnConfig(Section):
         "tools",
         description="the environment each sample is an episode of (components/envs ENVS): tools = the tools "
         "of multi_turn.tools answer the model's calls; textarena = a game of multi_turn.game; agent = the "
-        "agent program of multi_turn.agent drives it through an OpenAI-compatible endpoint",
+        "agent program of multi_turn.agent drives it through an OpenAI-compatible endpoint; single = one "
+        "turn, scored by the row's scorer",
+    )
+    envs: dict[str, str] = Field(
+        {},
+        description="a mixture: data_source pattern (fnmatch, e.g. `reasoning_gym/*`) -> the environment its "
+        "rows play, the first pattern that matches; rows matching none play multi_turn.env. Figures are "
+        "per environment (env/<env>/*, val/<env>/acc)",
     )
     game: str = Field(
         "GuessTheNumber-v0", description="multi_turn.env=textarena: the TextArena game's env id"
@@ -369,16 +376,18 @@ class MultiTurnConfig(Section):
 
     @model_validator(mode="after")
     def _known_tools(self) -> MultiTurnConfig:
-        if self.env not in ENV_NAMES:
-            raise ValueError(
-                f"multi_turn.env={self.env!r}: no such environment; valid: {', '.join(ENV_NAMES)}"
-            )
-        if self.enable and self.env == "textarena":
+        keys = {"multi_turn.env": self.env} | {f"multi_turn.envs.{p}": e for p, e in self.envs.items()}
+        for key, env in keys.items():
+            if env not in ENV_NAMES:
+                raise ValueError(f"{key}={env!r}: no such environment; valid: {', '.join(ENV_NAMES)}")
+        played = set(keys.values())
+        if self.enable and "textarena" in played:
             check_textarena_game(self.game)
-        if self.enable and (self.env == "agent") != (self.agent is not None):
+        if self.enable and ("agent" in played) != (self.agent is not None):
             raise ValueError(
-                "multi_turn.agent names the agent program of multi_turn.env=agent, and only of it: set both "
-                f"(multi_turn.env={self.env!r}, multi_turn.agent={self.agent!r})"
+                "multi_turn.agent names the agent program of the agent environment (multi_turn.env=agent or a "
+                "multi_turn.envs value), and only of it: set both "
+                f"(multi_turn.env={self.env!r}, multi_turn.envs={self.envs}, multi_turn.agent={self.agent!r})"
             )
         if self.agent is not None and (
             self.agent.count(":") != 1 or not self.agent.split(":")[0].endswith(".py")

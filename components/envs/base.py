@@ -49,11 +49,15 @@ class Environment(Protocol):
 
 # env name -> factory(settings, tools) -> a new environment per episode
 ENVS: dict[str, Callable[[Any, dict], Callable[[], Environment]]] = {}
+# env name -> the episode counters it declares: each is in every rollout batch that plays it (0 where an
+# episode did not count it), and its figures are env/<env>/<counter>
+COUNTERS: dict[str, tuple[str, ...]] = {}
 
 
-def register(name: str):
+def register(name: str, counters: tuple[str, ...] = ()):
     def put(factory):
         ENVS[name] = factory
+        COUNTERS[name] = counters
         return factory
 
     return put

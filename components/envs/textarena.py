@@ -32,7 +32,7 @@ class TextArenaGame:
         return Step("\n".join(said), role="user")
 
 
-@register("textarena")
+@register("textarena", counters=("game_won",))
 def textarena_env(settings, tools: dict):
     """A new game of multi_turn.game per episode, seeded by the episode's group."""
     return lambda: TextArenaGame(settings.game)

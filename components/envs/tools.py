@@ -34,7 +34,7 @@ class ToolEnv:
             return Step(f"error: {exc}", counts={"tool_calls": 1.0, "tool_errors": 1.0})
 
 
-@register("tools")
+@register("tools", counters=("tool_calls", "tool_errors"))
 def tools_env(settings, tools: dict):
     """multi_turn.env=tools: the tools of multi_turn.tools, shared by every episode (they keep no state)."""
     return lambda: ToolEnv(tools)

@@ -9,6 +9,7 @@ turns, while `attention_mask` (1 on every response token) is what the model sees
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -98,18 +99,24 @@ def single_token(tokenizer, text: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
+def episode_names(env_name: str | Sequence[str], count: int) -> list[str]:
+    """Each episode's environment name: one for all, or one per episode (a mixture, multi_turn.envs)."""
+    return [env_name] * count if isinstance(env_name, str) else list(env_name)
+
+
 def first_messages(
     rows: list[dict],
     envs: list[Environment],
     n: int,
     seed: int,
-    env_name: str = "tools",
+    env_name: str | Sequence[str] = "tools",
     timeout_s: float = 60.0,
 ) -> list[dict]:
     """The rows with each one's prompt replaced by the first messages its episodes' environments give on reset
     (envs[i*n + j] plays sample j of row i; all n get the row and the group's seed, so they start alike). A
-    reset that raises or hangs past timeout_s is a RewardError naming the environment and the episode."""
-    out = []
+    reset that raises or hangs past timeout_s is a RewardError naming the environment and the episode.
+    env_name: the environments' name, or each episode's."""
+    names, out = episode_names(env_name, len(envs)), []
     for i, row in enumerate(rows):
         group_seed = derive_seed(seed, "episode", i)
         given = [
@@ -117,7 +124,7 @@ def first_messages(
                 envs[i * n + j].reset,
                 (row, group_seed),
                 timeout_s,
-                f"environment {env_name}, episode {i * n + j}: reset",
+                f"environment {names[i * n + j]}, episode {i * n + j}: reset",
             )
             for j in range(n)
         ]
@@ -134,7 +141,7 @@ def play_episodes(
     envs: list[Environment],
     max_turns: int,
     max_obs_chars: int = 256,
-    env_name: str = "tools",
+    env_name: str | Sequence[str] = "tools",
     step_timeout_s: float = 60.0,
     max_context: int = 4096,
 ) -> MultiTurnOutput:
@@ -145,6 +152,7 @@ def play_episodes(
     raises or takes longer than step_timeout_s is a RewardError naming the environment, episode and turn.
     Each turn fits max_context (actor.model.max_seq_len): first messages that leave no room for a reply are a
     RewardError; an observation that would leave none ends its episode (a warning, counted as `context_full`)."""
+    names = episode_names(env_name, len(envs))
     eos = tokenizer.eos_token_id
     close = single_token(tokenizer, CALL_CLOSE)
     turn_params = replace(params, n=1, stop_token_ids=(close,) if close is not None else ())
@@ -153,7 +161,7 @@ def play_episodes(
     for i, context in enumerate(contexts):  # an opening that leaves no room for a reply is the config's error
         if len(context) + params.max_new_tokens > max_context:
             raise RewardError(
-                f"environment {env_name}, episode {i}: its first messages are {len(context)} tokens, and with "
+                f"environment {names[i]}, episode {i}: its first messages are {len(context)} tokens, and with "
                 f"engine.max_new_tokens={params.max_new_tokens} they pass actor.model.max_seq_len={max_context}; "
                 "raise actor.model.max_seq_len or shorten the environment's opening"
             )
@@ -185,11 +193,11 @@ def play_episodes(
                 envs[i].step,
                 (text, last),
                 step_timeout_s,
-                f"environment {env_name}, episode {i}, turn {turn + 1}: step",
+                f"environment {names[i]}, episode {i}, turn {turn + 1}: step",
             )
             for name, value in step.counts.items():
                 counts.setdefault(name, [0.0] * n_rows)[i] += value
-            reward = checked_reward(env_name, i, step.reward)
+            reward = checked_reward(names[i], i, step.reward)
             if reward is not None:
                 rewards[i] = reward
             if step.ends or turn == max_turns - 1:
@@ -215,7 +223,7 @@ def play_episodes(
         log.warning(
             "environment %s, episode %d, turn %d: its observation (%d tokens) would pass "
             "actor.model.max_seq_len=%d; the episode ends there%s",
-            env_name,
+            names[i],
             i,
             turn,
             size,

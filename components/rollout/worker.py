@@ -10,8 +10,8 @@ from dataclasses import replace
 import torch
 
 from components.batch import Batch
-from components.data.prompts import encode_prompts
-from components.envs.base import ENV_COUNT
+from components.data.prompts import encode_prompt
+from components.envs.base import COUNTERS, ENV_COUNT
 from components.models.loading import load_image_encoder, load_tokenizer
 from components.rollout.base import PromptImages, RolloutOutput, continue_samples, make_engine
 from components.rollout.batching import rollout_batch
@@ -68,7 +68,9 @@ class RolloutWorker:
 
             self.tools = make_tools(list(multi_turn.tools), multi_turn.sandbox_limits, multi_turn.concurrency)
             multi_turn = replace(multi_turn, eos_token=self.tokenizer.eos_token)
-            self.episodes = episode_factory(multi_turn.env, multi_turn, self.tools)
+            self.episodes = {
+                name: episode_factory(name, multi_turn, self.tools) for name in multi_turn.played
+            }
         if lora is not None and model is None:  # a colocated engine samples with the policy's own adapters
             self.engine.use_adapters(lora)
         self.partial = partial
@@ -163,10 +165,12 @@ class RolloutWorker:
         self.engine.wake()
         envs = None
         if self.multi_turn:  # each sample an episode; an environment may give a row's first messages itself
-            envs = [self.episodes() for _ in range(len(rows) * params.n)]
             m = self.multi_turn
-            rows = first_messages(rows, envs, params.n, seed, m.env, m.step_timeout_s)
-        prompt_ids, images = self.encode(rows)
+            names = [self.env_of(row) for row in rows for _ in range(params.n)]
+            envs = [self.episodes[name]() for name in names]
+            played = rows
+            rows = first_messages(rows, envs, params.n, seed, names, m.step_timeout_s)
+        prompt_ids, images = self.encode(rows, played if envs is not None else rows)
         continued = torch.zeros(len(rows) * params.n, dtype=torch.bool)
         if envs is not None:
             mt = play_episodes(
@@ -178,7 +182,7 @@ class RolloutWorker:
                 envs,
                 m.max_turns,
                 m.max_tool_chars,
-                m.env,
+                names,
                 m.step_timeout_s,
                 self.max_context,
             )
@@ -189,9 +193,12 @@ class RolloutWorker:
                 tool_calls=mt.tool_calls,
                 tool_errors=mt.tool_errors,
                 env_reward=mt.rewards,
-                **{f"{ENV_COUNT}{name}": values for name, values in mt.counts.items()},
-            )
-            batch.meta["env"] = self.multi_turn.env
+                **{
+                    f"{ENV_COUNT}{name}": values
+                    for name, values in self.counted(mt.counts, len(names)).items()
+                },
+            ).with_non_tensors(env=names)
+            batch.meta["env_counters"] = {name: COUNTERS.get(name, ()) for name in m.played}
         elif self.partial and iteration >= 0 and images is None:
             out, continued = self.sample_partial(prompt_ids, params, seed)
             batch = rollout_batch(rows, prompt_ids, out, params.n, self.tokenizer.pad_token_id, iteration)
@@ -242,11 +249,28 @@ class RolloutWorker:
                 out = continue_samples(out, group, more, self.tokenizer.pad_token_id)
         return out, continued
 
-    def encode(self, rows: list[dict]) -> tuple[list[list[int]], PromptImages | None]:
+    def counted(self, counts: dict[str, torch.Tensor], size: int) -> dict[str, torch.Tensor]:
+        """The `size` episodes' counters, with every one the played environments declare (zeros where none
+        counted it): the same tensors in every batch, whichever episodes it holds."""
+        declared = [c for name in self.multi_turn.played for c in COUNTERS.get(name, ())]
+        return {c: counts.get(c, torch.zeros(size)) for c in dict.fromkeys([*declared, *counts])}
+
+    def env_of(self, row: dict) -> str:
+        """The environment a row plays (multi_turn.envs by its data_source, else multi_turn.env)."""
+        return self.multi_turn.env_of(str(row.get("data_source", "")))
+
+    def encode(
+        self, rows: list[dict], given: list[dict] | None = None
+    ) -> tuple[list[list[int]], PromptImages | None]:
         """Each row's prompt ids (a VLM's `<image>` token expanded to the image's tokens) and, for a VLM, the
-        rows' images; None for a text-only policy."""
-        tools = [t.schema for t in self.tools.values()]
-        prompt_ids = encode_prompts(self.tokenizer, [r["prompt"] for r in rows], self.prompts, tools)
+        rows' images; None for a text-only policy. The tools' schemas are in the prompts of the rows that play
+        the tools environment alone (`given`: the rows as the data gave them, before an environment's first
+        messages replaced their prompts)."""
+        schemas = [t.schema for t in self.tools.values()] or None
+        tools = [schemas if self.tools and self.env_of(row) == "tools" else None for row in given or rows]
+        prompt_ids = [
+            encode_prompt(self.tokenizer, r["prompt"], self.prompts, t) for r, t in zip(rows, tools)
+        ]
         if self.images is None:
             return prompt_ids, None
         return [self.images.expand(p) for p in prompt_ids], self.images.prompt_images(rows)

@@ -264,8 +264,10 @@ class Tracker:
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
+        # a key a mapping's entry makes (multi_turn.envs.game/*) with characters MLflow refuses: as a metric's
         existing = self.client.get_run(self.run_id).data.params
-        fresh = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in existing]
+        named = {metric_name(k): v for k, v in params.items()}
+        fresh = [Param(k, str(v)[:6000]) for k, v in named.items() if k not in existing]
         for i in range(0, len(fresh), 100):
             self.client.log_batch(self.run_id, params=fresh[i : i + 100])
 

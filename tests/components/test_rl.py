@@ -267,3 +267,28 @@ def test_an_environments_figures_are_under_its_name():
     scores, given, invalid = with_env_rewards(torch.tensor([0.0, 1.0, 0.5, 0.0]), batch)
     assert scores.tolist() == [1.0, 0.0, 0.5, 1.0] and given.tolist() == [True, True, False, True]
     assert not invalid.any()
+
+
+def test_a_mixtures_figures_are_each_environments_own():
+    """Each sample's environment (the batch's `env`): turns, reward and declared counters over its own
+    episodes; a counter no environment declares (context_full) for each of them."""
+    from components.rl import env_metrics
+
+    batch = Batch(
+        {
+            "num_turns": torch.tensor([1, 1, 3, 2]),
+            "env_reward": torch.tensor([math.nan, math.nan, 0.0, 1.0]),
+            "env_count/game_won": torch.tensor([0.0, 0.0, 0.0, 1.0]),
+            "env_count/context_full": torch.tensor([0.0, 0.0, 1.0, 0.0]),
+        },
+        {"env": ["single", "single", "textarena", "textarena"]},
+        {"env_counters": {"single": (), "textarena": ("game_won",)}},
+    )
+    assert env_metrics(batch) == {
+        "env/single/turns": 1.0,
+        "env/single/context_full": 0.0,
+        "env/textarena/turns": 2.5,
+        "env/textarena/reward": 0.5,
+        "env/textarena/game_won": 0.5,
+        "env/textarena/context_full": 0.5,
+    }

@@ -153,7 +153,10 @@ def test_the_config_refuses_an_agent_that_is_not_a_program_of_the_project(tmp_pa
     from components.errors import ConfigError
 
     agent = ("multi_turn.enable=true", "multi_turn.env=agent")
-    with pytest.raises(ConfigError, match="multi_turn.agent names the agent program of multi_turn.env=agent"):
+    with pytest.raises(
+        ConfigError,
+        match=r"multi_turn.agent names the agent program of the agent environment \(multi_turn.env=agent",
+    ):
         load_config("configs/arith_grpo.yaml", list(agent))
     with pytest.raises(
         ConfigError, match=r"multi_turn.agent='agents/guess_number.py': give the agent as file.py:function"

@@ -66,7 +66,7 @@ def test_tool_calling_is_an_environment():
     assert env.reset({"prompt": "x"}, 0) is None
     assert env.step("#### 4", last_turn=False).ends
     with pytest.raises(
-        ValueError, match="multi_turn.env='nope': no such environment; valid: agent, textarena, tools"
+        ValueError, match="multi_turn.env='nope': no such environment; valid: agent, single, textarena, tools"
     ):
         episode_factory("nope")
 
@@ -187,9 +187,20 @@ def test_the_config_refuses_an_unknown_environment_listing_the_valid_ones():
     from components.errors import ConfigError
 
     with pytest.raises(
-        ConfigError, match=r"multi_turn.env='chess': no such environment; valid: agent, textarena, tools"
+        ConfigError,
+        match=r"multi_turn.env='chess': no such environment; valid: agent, single, textarena, tools",
     ):
         load_config("configs/arith_grpo.yaml", ["multi_turn.env=chess"])
+    with pytest.raises(
+        ConfigError, match=r"multi_turn.envs.game/\*='chess': no such environment; valid: agent, single"
+    ):
+        load_config("configs/arith_grpo.yaml", ["multi_turn.envs={game/*: chess}"])
+    with pytest.raises(
+        ConfigError, match=r"multi_turn.agent names the agent program of the agent environment"
+    ):
+        load_config("configs/arith_grpo.yaml", ["multi_turn.enable=true", "multi_turn.envs={game/*: agent}"])
+    cfg = load_config("configs/arith_grpo.yaml", ["multi_turn.envs={reasoning_gym/*: single}"])
+    assert cfg.multi_turn.envs == {"reasoning_gym/*": "single"}
 
 
 def test_the_docs_environment_as_written():

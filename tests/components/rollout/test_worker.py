@@ -158,3 +158,60 @@ def test_partial_rollouts_where_they_cannot_happen_are_refused_naming_the_key(
 ):
     with pytest.raises(ConfigError, match=match):
         load_checked(None, [f"actor.model.path={tiny_model_dir}", *overrides])
+
+
+def test_a_mixture_plays_each_rows_environment_and_reports_each_under_its_name(tiny_model_dir, monkeypatch):
+    """multi_turn.envs: rows of `game/*` play an environment that opens with its own message and rewards the
+    episode, rows of `calc` the tools environment (the tools' schemas in their prompts alone), the rest
+    multi_turn.env=single; the batch says each sample's environment, and the figures are per environment."""
+    import math
+
+    from components.envs import base
+    from components.envs.base import Step
+    from components.rl import env_metrics
+    from components.rollout import worker as worker_module
+    from components.settings import MultiTurnSettings
+
+    class Opening:
+        def reset(self, row, seed):
+            return [{"role": "user", "content": "play"}]
+
+        def step(self, text, last_turn):
+            return Step(reward=1.0, done=True, counts={"moves": 1.0})
+
+    monkeypatch.setitem(base.ENVS, "opening", lambda settings, tools: Opening)
+    monkeypatch.setitem(base.COUNTERS, "opening", ("moves",))
+    encoded = []
+
+    def encode_prompt(tokenizer, prompt, settings, tools=None):
+        encoded.append((prompt, tools))
+        return real(tokenizer, prompt, settings, tools)
+
+    real = worker_module.encode_prompt
+    monkeypatch.setattr(worker_module, "encode_prompt", encode_prompt)
+    mixture = (("game/*", "opening"), ("calc", "tools"))
+    settings = MultiTurnSettings(2, ("calculator",), 64, env="single", envs=mixture)
+    worker = RolloutWorker(str(tiny_model_dir), multi_turn=settings)
+    rows = [{**r, "data_source": s} for r, s in zip(arith_rows(3), ["arith", "game/x", "calc"])]
+    batch = worker.generate(rows, SamplingParams(n=2, max_new_tokens=4), seed=0, iteration=-1)
+
+    assert batch.non_tensors["env"] == ["single"] * 2 + ["opening"] * 2 + ["tools"] * 2
+    assert [p for p, _ in encoded] == [
+        rows[0]["prompt"],
+        [{"role": "user", "content": "play"}],
+        rows[2]["prompt"],
+    ]
+    assert [t is not None for _, t in encoded] == [False, False, True]  # the tools' schemas for `calc` alone
+    t = batch.tensors
+    assert t["num_turns"][:4].tolist() == [1, 1, 1, 1]  # a single turn, and a game its first move ends
+    assert all(math.isnan(r) for r in t["env_reward"][:2].tolist()) and t["env_reward"][2:4].tolist() == [
+        1.0,
+        1.0,
+    ]
+    assert t["env_count/moves"].tolist() == [0, 0, 1, 1, 0, 0]
+    assert t["env_count/tool_calls"].shape == (6,)  # declared by tools: there with no call made
+    figures = env_metrics(batch)
+    assert figures["env/opening/reward"] == 1.0 and figures["env/opening/moves"] == 1.0
+    assert figures["env/single/turns"] == 1.0 and "env/single/reward" not in figures
+    assert "env/single/moves" not in figures and "env/opening/tool_calls" not in figures
+    assert "env/tools/tool_calls" in figures and "env/tools/moves" not in figures

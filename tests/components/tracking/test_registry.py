@@ -135,6 +135,11 @@ def test_steps_are_logged_once_and_names_sanitised(tmp_path, store):
     hist = resumed.client.get_metric_history(t.run_id, "val/arith/acc_mean_at_4")
     assert [(m.step, m.value) for m in hist] == [(1, 0.5)]
     assert metric_name("a@b:c") == "a_at_b_c"
+    # a mapping's entry as a param (multi_turn.envs.game/*: textarena), logged once across a resume
+    resumed.log_params({"multi_turn.envs.game/*": "textarena", "trainer.seed": 0})
+    Tracker("steps", "r", run_id=t.run_id).log_params({"multi_turn.envs.game/*": "textarena"})
+    params = resumed.client.get_run(t.run_id).data.params
+    assert params == {"multi_turn.envs.game/_": "textarena", "trainer.seed": "0"}
 
 
 def test_a_run_missing_from_the_tracking_store_starts_a_new_one(tmp_path, store):
