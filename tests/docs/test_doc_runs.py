@@ -199,8 +199,8 @@ def test_the_champion_loaded_and_served_as_written(user, tmp_path):
 
 
 def test_the_configuration_commands_as_written(user):
-    """README's configuration block: a DAPO run of 50 iterations trains (its MLflow run has the preset's
-    params and 50 steps), `config show` names each value's source, `config generate` lists every key."""
+    """README's configuration block: a DAPO run of 20 iterations trains (its MLflow run has the preset's
+    params and 20 steps), `config show` names each value's source, `config generate` lists every key."""
     out = ok(user.run(as_script(marked("test_the_configuration_commands_as_written")), 900), "block")
     assert "algorithm.name" in out and "actor.optimizer.lr" in out
     from mlflow.tracking import MlflowClient
@@ -208,7 +208,7 @@ def test_the_configuration_commands_as_written(user):
     (run,) = mlflow_runs(user, "params.`algorithm.name` = 'dapo'")
     store = MlflowClient(f"sqlite:///{user.checkout / 'mlflow.db'}")
     steps = store.get_metric_history(run.info.run_id, "actor/pg_loss")
-    assert run.info.status == "FINISHED" and max(m.step for m in steps) == 50, [m.step for m in steps][-3:]
+    assert run.info.status == "FINISHED" and max(m.step for m in steps) == 20, [m.step for m in steps][-3:]
 
 
 def test_a_run_without_ray_as_written(user):
