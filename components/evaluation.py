@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from components.batch import Batch
-from components.rl import with_env_rewards
+from components.rl import episode_envs, with_env_rewards
 from components.settings import SamplingParams
 
 # (rows, params, seed) -> the rollout batch; batch -> texts; (texts, truths, sources, extras) -> scores
@@ -68,7 +68,7 @@ def evaluate(
             # an episode the environment rewarded counts as the environment's: val/<env>/acc
             env_scores, given, _ = with_env_rewards(torch.tensor(s, dtype=torch.float32), batch)
             s = env_scores.tolist()
-            envs = nt.get("env") or [batch.meta.get("env", "env")] * len(batch)
+            envs = episode_envs(batch)
             src = [e if g else d for g, e, d in zip(given.tolist(), envs, nt["data_source"])]
             if mode == "greedy" and on_greedy is not None:
                 on_greedy(rows[start : start + batch_size], texts, s)

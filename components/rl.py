@@ -158,13 +158,16 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
     return metrics
 
 
+def episode_envs(batch: Batch) -> list[str]:
+    """Each sample's environment (the rollout worker's `env`); `env` for all of a batch without one."""
+    return batch.non_tensors.get("env") or ["env"] * len(batch)
+
+
 def env_metrics(batch: Batch) -> dict[str, float]:
-    """A multi-turn rollout's figures under each environment's name (the batch's `env`: each episode's; one
-    name for all in a batch without it): env/<env>/turns, env/<env>/reward (the mean over the episodes it
-    rewarded) and env/<env>/<counter> over its episodes, for the counters it declares (meta env_counters) and
-    any no played environment declares (`context_full`)."""
-    t, n = batch.tensors, len(batch)
-    names = batch.non_tensors.get("env") or [batch.meta.get("env", "env")] * n
+    """A multi-turn rollout's figures under each environment's name (episode_envs): env/<env>/turns,
+    env/<env>/reward (the mean over the episodes it rewarded) and env/<env>/<counter> over its episodes, for
+    the counters it declares (meta env_counters) and any no played environment declares (`context_full`)."""
+    t, names = batch.tensors, episode_envs(batch)
     declared = batch.meta.get("env_counters", {})
     owned = {c for counters in declared.values() for c in counters}
     out = {}

@@ -163,14 +163,13 @@ class RolloutWorker:
     ) -> Batch:
         """The rollout, with the weights the engine holds (the caller holds the engine)."""
         self.engine.wake()
-        envs = None
+        envs, given = None, rows
         if self.multi_turn:  # each sample an episode; an environment may give a row's first messages itself
             m = self.multi_turn
             names = [self.env_of(row) for row in rows for _ in range(params.n)]
             envs = [self.episodes[name]() for name in names]
-            played = rows
             rows = first_messages(rows, envs, params.n, seed, names, m.step_timeout_s)
-        prompt_ids, images = self.encode(rows, played if envs is not None else rows)
+        prompt_ids, images = self.encode(rows, given)
         continued = torch.zeros(len(rows) * params.n, dtype=torch.bool)
         if envs is not None:
             mt = play_episodes(

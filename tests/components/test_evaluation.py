@@ -23,8 +23,8 @@ def fake_generate(env_rewards: list[float]):
                 "ground_truth": [r["truth"] for r in rows for _ in range(n)],
                 "data_source": [r["source"] for r in rows for _ in range(n)],
                 "extra_info": [{} for _ in rows for _ in range(n)],
+                "env": ["textarena" for _ in rows for _ in range(n)],
             },
-            {"env": "textarena"},
         )
 
     return generate

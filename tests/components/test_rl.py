@@ -256,8 +256,7 @@ def test_an_environments_figures_are_under_its_name():
             "env_reward": torch.tensor([1.0, 0.0, math.nan, 1.0]),
             "env_count/game_won": torch.tensor([1.0, 0.0, 0.0, 1.0]),
         },
-        {},
-        {"env": "textarena"},
+        {"env": ["textarena"] * 4},
     )
     assert env_metrics(batch) == {
         "env/textarena/turns": 2.0,
