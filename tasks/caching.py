@@ -52,8 +52,8 @@ def library_digest() -> str:
 
 @dataclass
 class StageCache(CachePolicy):
-    """Key = task and library source + `config_keys` of the task's `cfg` + md5 of what `reads` names; no cache
-    hit while a path `writes` names is missing."""
+    """Key = task and library source + `config_keys` of the task's `cfg` + md5 of what `reads` names + the
+    paths `writes` names; no cache hit while one of those is missing."""
 
     config_keys: tuple[str, ...] = ()
     reads: PathsOf = _none
@@ -69,8 +69,13 @@ class StageCache(CachePolicy):
         h.update(library_digest().encode())
         h.update(json.dumps(config, sort_keys=True, default=str).encode())
         h.update(json.dumps(content_digest(self.reads(inputs))).encode())
+        # where it writes too: a run writing elsewhere (another data.raw_dir, a scratch copy of the config) is
+        # not served the result, paths included, of one that wrote there; finding outputs at its own paths
+        # says nothing about them
+        writes = self.writes(inputs)
+        h.update(json.dumps([str(Path(p).resolve()) for p in writes]).encode())
         key = h.hexdigest()
-        missing = any(not Path(p).exists() for p in self.writes(inputs))
+        missing = any(not Path(p).exists() for p in writes)
         if missing and task_ctx.result_store is not None and task_ctx.result_store.exists(key):
             # outputs deleted (by hand, or by `dvc repro` before it reruns the stage): run it again; the stored
             # result stays right for the outputs it will write, the inputs being the same

@@ -66,3 +66,19 @@ def test_dvc_lock_records_this_code_config_and_metrics(fresh_copy, pipeline):
         f"{pipeline}'s lock file is not this checkout's: {stale}. Run the pipeline "
         f"(`dvc repro {pipeline}`) and commit its dvc.lock and metrics file."
     )
+
+
+def test_the_committed_environments_figures_are_the_ones_the_readme_claims():
+    """Issue 52's bar, on the figures `make run-envs` commits (the test above ties them to this code and
+    config): each reasoning-gym task gains at least 15 points of held-out greedy accuracy, and the README's row
+    quotes them."""
+    figures = json.loads((ROOT / "metrics/rg_eval.json").read_text())
+    tasks = [k for k in figures["gain"] if k.startswith("reasoning_gym_")]
+    assert len(tasks) >= 2
+    assert {t: figures["gain"][t] >= 0.15 for t in tasks} == dict.fromkeys(tasks, True), figures["gain"]
+    readme = (ROOT / "README.md").read_text()
+    for task in tasks:
+        source = task.removesuffix("/acc")
+        before, after = (figures[when]["by_source"][source]["acc"] for when in ("sft", "final"))
+        name = source.removeprefix("reasoning_gym_")
+        assert f"{name} {before:.3f} -> {after:.3f}" in readme, name

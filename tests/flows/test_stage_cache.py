@@ -90,6 +90,32 @@ def test_the_cache_key_names_the_config_the_stage_reads(tmp_path, prefect_harnes
     assert [prep(cfg), prep(unrelated), prep(other)] == ["Completed", "Cached", "Completed"]
 
 
+def test_a_run_writing_elsewhere_is_not_served_another_locations_result(tmp_path, prefect_harness):
+    """Two configs alike but for where prepare writes (data.raw_dir), the second's directory already holding
+    files (stale data from before a config change): it runs the stage and writes there, instead of being
+    handed the first one's result, which names the first one's files."""
+    import shutil
+
+    from components.validate import load_checked
+
+    a = load_checked(CONFIG, small_overrides(tmp_path / "a"))
+    b = load_checked(CONFIG, small_overrides(tmp_path / "b"))  # the same config keys, other paths
+
+    @flow
+    def prep(cfg) -> tuple[str, list[str]]:
+        state = prepare_data(cfg, return_state=True)
+        return state.name, state.result()
+
+    name, written = prep(a)
+    assert name == "Completed" and all(Path(p).is_relative_to(a.data.raw_dir) for p in written)
+    shutil.copytree(a.data.raw_dir, b.data.raw_dir)  # b's outputs are there, but not b's to take
+    (Path(b.data.raw_dir) / "train.parquet").write_bytes(b"stale")
+    name, written = prep(b)
+    assert name == "Completed" and all(Path(p).is_relative_to(b.data.raw_dir) for p in written)
+    assert (Path(b.data.raw_dir) / "train.parquet").read_bytes() != b"stale"
+    assert prep(b)[0] == prep(a)[0] == "Cached"  # each location keeps a result of its own
+
+
 def test_another_checkout_never_gets_this_ones_cached_results(tmp_path, prefect_api):
     """Two checkouts of the project on one machine, the same stage with the same config: each runs it once
     (its results persist under its own .prefect-results), and neither is served the other's result."""

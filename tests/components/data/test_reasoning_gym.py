@@ -67,6 +67,9 @@ def test_unknown_tasks_and_settings_are_refused_naming_them():
         check_reasoning_gym_tasks({"nope": {}})
     with pytest.raises(ValueError, match=r"chain_sum: .*bogus"):
         check_reasoning_gym_tasks({"chain_sum": {"bogus": 1}})
+    # accepted by the task's own check, refused only when an entry is made: still the config's error
+    with pytest.raises(ValueError, match=r"simple_equations: its settings fail: .*number of weights"):
+        check_reasoning_gym_tasks({"simple_equations": {"operators": ["+", "-"]}})
     with pytest.raises(ValueError, match="needs data.reasoning_gym"):
         check_reasoning_gym_tasks({})
 
