@@ -53,7 +53,7 @@ run-vlm: $(STAMP) bytecode
 run-envs: $(STAMP) bytecode
 	$(VENV)/bin/dvc repro --pull environments/dvc.yaml
 	$(VENV)/bin/dvc push -q environments/dvc.yaml
-	$(VENV)/bin/dvc metrics show metrics/rg_eval.json
+	$(VENV)/bin/dvc metrics show metrics/rg_eval.json metrics/game_eval.json
 
 test: $(STAMP) bytecode
 	$(PY) -m ruff format --check .

@@ -127,8 +127,9 @@ CLEAN_CACHE = StageCache(
 
 @task(name="prepare-data", timeout_seconds=600, **cached_stage(PREPARE_CACHE))
 def prepare_data(cfg: Config) -> list[str]:
-    """Write data.raw_dir/{train,test}.parquet: the arithmetic task, reasoning-gym's tasks, or an import of
-    data.gsm8k_path (with data.gsm8k_test_path, or a seeded held-out split of it)."""
+    """Write data.raw_dir/{train,test}.parquet: the arithmetic task, reasoning-gym's tasks, a TextArena game's
+    demonstrations and held-out games (multi_turn.game), or an import of data.gsm8k_path (with
+    data.gsm8k_test_path, or a seeded held-out split of it)."""
     d = cfg.data
     check_contained(cfg, "data.raw_dir")  # what it writes (clean only reads it)
     raw = Path(d.raw_dir)
@@ -138,6 +139,12 @@ def prepare_data(cfg: Config) -> list[str]:
         schema = row_schema("text", images=True)
     elif d.gsm8k_path:
         train, test = gsm8k_splits(d.gsm8k_path, d.gsm8k_test_path, d.num_eval, cfg.trainer.seed)
+    elif d.task == "textarena":
+        from components.data import games
+
+        mt = cfg.multi_turn
+        train, test = games.rows(mt.game, d.num_train, d.num_eval, mt.max_turns, cfg.trainer.seed)
+        schema = row_schema("messages", env_seed=True)
     elif d.task == "reasoning_gym":
         from components.data import reasoning_gym
 

@@ -77,7 +77,15 @@ def run_sft(cfg: Config) -> str:
     rows = absolute_images(validate_file(path, "data.train_path", tok, rules), Path.cwd())
     answers = [r["extra_info"]["answer"] for r in rows]
     prompts = [r["prompt"] for r in rows]
-    examples = encode_examples(tok, prompts, answers, PromptSettings.from_config(cfg), images, rows)
+    examples = encode_examples(
+        tok,
+        prompts,
+        answers,
+        PromptSettings.from_config(cfg),
+        images,
+        rows,
+        cfg.multi_turn.max_tool_response_chars,
+    )
     check_examples(examples, answers, cfg.actor.model.max_seq_len, path)
     if model is None:
         model = tiny_model_for(s, cfg.actor.model.max_seq_len, tok, cfg.trainer.seed)

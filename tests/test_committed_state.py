@@ -82,3 +82,12 @@ def test_the_committed_environments_figures_are_the_ones_the_readme_claims():
         before, after = (figures[when]["by_source"][source]["acc"] for when in ("sft", "final"))
         name = source.removeprefix("reasoning_gym_")
         assert f"{name} {before:.3f} -> {after:.3f}" in readme, name
+
+
+def test_the_committed_game_figures_rise_and_are_the_ones_the_readme_claims():
+    """The TextArena game's held-out games won by greedy play rise from SFT to GRPO (metrics/game_eval.json,
+    tied to this code and config above), and the README's row quotes them."""
+    figures = json.loads((ROOT / "metrics/game_eval.json").read_text())
+    before, after = figures["sft"]["acc"], figures["final"]["acc"]
+    assert after > before and figures["final"]["n"] == 100
+    assert f"{before:.2f} -> {after:.2f} of 100 games" in (ROOT / "README.md").read_text()

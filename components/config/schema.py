@@ -517,11 +517,12 @@ class DataConfig(Section):
     gsm8k_test_path: str | None = Field(
         None, description="local GSM8K test file; None = hold out data.num_eval seeded rows of gsm8k_path"
     )
-    task: Literal["arith", "arith_tool", "visual_count", "reasoning_gym"] = Field(
+    task: Literal["arith", "arith_tool", "visual_count", "reasoning_gym", "textarena"] = Field(
         "arith",
         description="generated task; arith_tool: SFT answers that call the calculator (multi_turn); "
         "visual_count: count the shapes in an image (actor.model.type=multimodal); reasoning_gym: the tasks "
-        "data.reasoning_gym names",
+        "data.reasoning_gym names; textarena: games of multi_turn.game, data.num_train rows of a "
+        "demonstrator's moves (one per turn) for SFT and data.num_eval held-out games",
     )
     reasoning_gym: dict[str, dict[str, Any]] = Field(
         default_factory=dict,

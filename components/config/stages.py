@@ -53,6 +53,8 @@ STAGES: dict[str, StageKeys] = {
             "data.llava_path",
             "data.llava_image_folder",
             "data.image_processor.size",
+            "multi_turn.game",
+            "multi_turn.max_turns",
             "trainer.seed",
         )
     ),
@@ -79,6 +81,7 @@ STAGES: dict[str, StageKeys] = {
             *PROMPT_KEYS,
             "data.task",
             "multi_turn.enable",
+            "multi_turn.max_tool_response_chars",
             "trainer.seed",
             *IMAGE_TOKEN_KEYS,
             "actor.model.freeze_vision_model",

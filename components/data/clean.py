@@ -197,12 +197,17 @@ def _schema_problems(flat: pd.DataFrame) -> dict[int, Problem]:
         return problems
 
 
-def dedup_key(data_source: str, prompt, image_digest: str | None = None) -> tuple:
+def dedup_key(data_source: str, prompt, image_digest: str | None = None, extra_info=None) -> tuple:
     """Rows that say the same thing: Unicode compatibility forms folded (NFKC: full-width digits are digits)
-    and runs of whitespace made one space; with images, the same picture bytes too."""
+    and runs of whitespace made one space; with images, the same picture bytes too; for a row whose episode an
+    environment seeds from it (extra_info.env_seed: a game's rows, whose openings are all alike), the same
+    seed too."""
     text = unicodedata.normalize("NFKC", prompt_text(prompt))
     key = (data_source, " ".join(text.split()))
-    return (*key, image_digest) if image_digest else key
+    if image_digest:
+        key = (*key, image_digest)
+    seed = extra_info.get("env_seed") if isinstance(extra_info, dict) else None
+    return (*key, f"env_seed={seed}") if seed is not None else key
 
 
 def row_key(rec: dict) -> tuple:
@@ -210,7 +215,7 @@ def row_key(rec: dict) -> tuple:
     digest = None
     if rec.get("images"):
         digest = image_problem(rec["prompt"], rec["images"])[2]
-    return dedup_key(rec["data_source"], rec["prompt"], digest)
+    return dedup_key(rec["data_source"], rec["prompt"], digest, rec.get("extra_info"))
 
 
 def _normalise(rec: dict) -> dict:
@@ -237,6 +242,7 @@ def _normalise(rec: dict) -> dict:
             "index": int(extra["index"]) if isinstance(extra.get("index"), int) else -1,
             "answer": extra.get("answer") if isinstance(extra.get("answer"), str) else "",
             "question": extra.get("question") if isinstance(extra.get("question"), str) else "",
+            **({"env_seed": int(extra["env_seed"])} if isinstance(extra.get("env_seed"), int) else {}),
         },
     }
 
@@ -337,7 +343,7 @@ class RowChecker:
             if problem is not None:
                 problems[i] = problem
                 continue
-            key = dedup_key(rec["data_source"], rec["prompt"], digest)
+            key = dedup_key(rec["data_source"], rec["prompt"], digest, rec.get("extra_info"))
             if key in seen:
                 problems[i] = Problem("duplicate", "prompt", f"duplicate of row {seen[key]}")
             elif key in self.train_keys:
@@ -412,7 +418,15 @@ def clean_file(
             f"{src}: all {len(df)} rows were quarantined ({counts or 'none'}), written to {qpath}; the "
             f"first: {first}. Fix the data and run `reinforge clean` again."
         )
-    write_parquet(kept, dst, schema=row_schema(prompt_form(kept[0]["prompt"]), images="images" in kept[0]))
+    write_parquet(
+        kept,
+        dst,
+        schema=row_schema(
+            prompt_form(kept[0]["prompt"]),
+            images="images" in kept[0],
+            env_seed="env_seed" in kept[0]["extra_info"],
+        ),
+    )
     return CleanReport(len(df), len(kept), len(quarantined), counts, str(dst), str(qpath))
 
 

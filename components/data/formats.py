@@ -24,10 +24,12 @@ IMAGE_TYPE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
 
-def row_schema(form: str = "messages", images: bool = False) -> pa.Schema:
+def row_schema(form: str = "messages", images: bool = False, env_seed: bool = False) -> pa.Schema:
     """The parquet schema of rows whose prompts are chat messages ("messages") or plain strings ("text"),
-    with an `images` column (verl's {bytes, path} entries) when `images`."""
+    with an `images` column (verl's {bytes, path} entries) when `images`, and extra_info.env_seed (the seed of
+    the episode an environment plays for the row: a game's rows) when `env_seed`."""
     extra = [("images", pa.list_(IMAGE_TYPE))] if images else []
+    seeded = [("env_seed", pa.int64())] if env_seed else []
     return pa.schema(
         extra
         + [
@@ -43,6 +45,7 @@ def row_schema(form: str = "messages", images: bool = False) -> pa.Schema:
                         ("index", pa.int64()),
                         ("answer", pa.string()),
                         ("question", pa.string()),
+                        *seeded,
                     ]
                 ),
             ),

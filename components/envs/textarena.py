@@ -15,8 +15,11 @@ class TextArenaGame:
     def reset(self, row: dict, seed: int) -> list[dict]:
         import textarena
 
+        # a row that names its game (extra_info.env_seed: data.task=textarena's rows) replays that one, so a
+        # held-out game is the same game at every evaluation; other rows get a game of the episode's seed
+        game_seed = (row.get("extra_info") or {}).get("env_seed")
         self.env = textarena.make(env_id=self.game)
-        self.env.reset(num_players=1, seed=seed)
+        self.env.reset(num_players=1, seed=int(game_seed) if game_seed is not None else seed)
         _, self.log = self.env.get_observation()
         return [{"role": "user", "content": self.log.strip()}]
 
@@ -24,7 +27,9 @@ class TextArenaGame:
         done, _ = self.env.step(action=text)
         if done or last_turn:
             rewards, _ = self.env.close()  # None for a game stopped before its end
-            won = float((rewards or {}).get(0, 0) > 0)
+            # a win is TextArena's reward 1; a lost game may still pay a share of it (GuessTheNumber pays how
+            # close the guesses came: 0.58 for a game lost by repeating a guess), which is not a win
+            won = float((rewards or {}).get(0, 0) >= 1)
             return Step(reward=won, done=True, counts={"game_won": won})
         _, log = self.env.get_observation()
         new, self.log = log[len(self.log) :], log  # the log holds the whole game; the turn adds its end
@@ -34,5 +39,6 @@ class TextArenaGame:
 
 @register("textarena", counters=("game_won",))
 def textarena_env(settings, tools: dict):
-    """A new game of multi_turn.game per episode, seeded by the episode's group."""
+    """A new game of multi_turn.game per episode, seeded by the row's extra_info.env_seed, else by the
+    episode's group."""
     return lambda: TextArenaGame(settings.game)

@@ -94,6 +94,32 @@ def turns_after_reply(tokenizer, messages: list[dict], after_eos: bool) -> str:
     return text[len(eos) :] if after_eos and eos and text.startswith(eos) else text
 
 
+def conversation_ids(
+    tokenizer, messages: list[dict], settings, max_obs_chars: int | None = None
+) -> list[int]:
+    """The token ids a multi-turn rollout holds after `messages`: the messages before the first assistant
+    turn as its prompt, then each assistant reply's tokens with the EOS that ended it, and the messages that
+    answered it (each cut to max_obs_chars) as play_episodes appends them. SFT on a game's conversations
+    trains on exactly the contexts the rollout will give (a template that renders no end of an assistant turn,
+    as the tiny model's, would otherwise leave out the EOS the rollout keeps). settings: PromptSettings."""
+    from components.data.prompts import encode_prompt
+
+    first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    ids = encode_prompt(tokenizer, messages[:first], settings)
+    after: list[dict] = []
+    for message in [*messages[first:], None]:  # None: the end, which flushes the last answers
+        if message is not None and message["role"] != "assistant":
+            after.append({**message, "content": str(message["content"])[:max_obs_chars]})
+            continue
+        if after:
+            ids += tokenizer(turns_after_reply(tokenizer, after, True), add_special_tokens=False)["input_ids"]
+            after = []
+        if message is not None:
+            ids += tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+            ids.append(tokenizer.eos_token_id)
+    return ids
+
+
 def single_token(tokenizer, text: str) -> int | None:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return ids[0] if len(ids) == 1 else None

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from components.data.prompts import encode_prompt
+from components.rollout.multi_turn import conversation_ids
 from components.settings import PromptSettings
 
 if TYPE_CHECKING:  # transformers' modeling code: imported where a model is built, not here
@@ -34,11 +35,14 @@ def encode_examples(
     settings: PromptSettings = PromptSettings(),
     images=None,
     rows: list[dict] | None = None,
+    max_obs_chars: int | None = None,
 ) -> list[SFTExample]:
     """Prompt as the rollout engine sees it (components.data.prompts), answer + EOS;
     `<tool_response>...</tool_response>` spans of an answer (a tool-calling trajectory) are tokenized on their
-    own and masked out of the loss. With `images` (a VLM's ImageEncoder) and the `rows`, each prompt's image
-    tokens are expanded and its pixels kept, as the rollout worker does."""
+    own and masked out of the loss. A prompt with assistant turns (a game's conversation so far) is encoded as
+    the rollout holds it (conversation_ids; observations cut to max_obs_chars). With `images` (a VLM's
+    ImageEncoder) and the `rows`, each prompt's image tokens are expanded and its pixels kept, as the rollout
+    worker does."""
     out = []
     pixels = images.pixels(rows) if images is not None else None
     for row, (prompt, answer) in enumerate(zip(prompts, answers)):
@@ -47,7 +51,11 @@ def encode_examples(
             part_ids = tokenizer(part, add_special_tokens=False)["input_ids"] if part else []
             ids += part_ids
             mask += [k % 2 == 0] * len(part_ids)  # odd parts are the tool outputs
-        prompt_ids = encode_prompt(tokenizer, prompt, settings)
+        if not isinstance(prompt, str) and any(m["role"] == "assistant" for m in prompt):
+            # a conversation (a game's turns so far): the context the rollout holds at that turn
+            prompt_ids = conversation_ids(tokenizer, list(prompt), settings, max_obs_chars)
+        else:
+            prompt_ids = encode_prompt(tokenizer, prompt, settings)
         out.append(
             SFTExample(
                 images.expand(prompt_ids) if images is not None else prompt_ids,

@@ -18,10 +18,18 @@ def dvc_params(stage: str, file: str = "dvc.yaml") -> list[str]:
     return [key for entry in spec.get("params", []) for keys in entry.values() for key in keys]
 
 
-@pytest.mark.parametrize("file", ["dvc.yaml", "vlm/dvc.yaml", "environments/dvc.yaml"])
+@pytest.mark.parametrize(
+    ("file", "prefix"),
+    [
+        ("dvc.yaml", ""),
+        ("vlm/dvc.yaml", ""),
+        ("environments/dvc.yaml", ""),
+        ("environments/dvc.yaml", "game_"),
+    ],
+)
 @pytest.mark.parametrize("stage", list(STAGES))
-def test_dvc_params_are_exactly_the_declared_keys(stage, file):
-    assert sorted(dvc_params(stage, file)) == sorted(STAGES[stage].reads)
+def test_dvc_params_are_exactly_the_declared_keys(stage, file, prefix):
+    assert sorted(dvc_params(prefix + stage, file)) == sorted(STAGES[stage].reads)
 
 
 def test_every_declared_key_exists_in_the_config_and_the_params_file():

@@ -152,6 +152,25 @@ def test_held_out_rows_seen_in_training_are_quarantined():
     assert len(kept) == 1 and reasons_of(quarantined) == {0: ("in_train", "prompt")}
 
 
+def test_rows_alike_but_for_the_game_their_seed_names_are_kept_and_keep_the_seed(tmp_path):
+    """A game's openings are all alike: rows naming other games (extra_info.env_seed) are other rows, the same
+    game twice is a duplicate, and the seed survives cleaning (the environment replays the game from it)."""
+    from components.data.formats import row_schema
+
+    def game(seed):
+        return {**good(1), "extra_info": {**good(1)["extra_info"], "env_seed": seed}}
+
+    kept, quarantined = clean_rows(pd.DataFrame([game(7), game(8), game(7)]), TOK, RULES, "test")
+    assert [r["extra_info"]["env_seed"] for r in kept] == [7, 8]
+    assert reasons_of(quarantined) == {2: ("duplicate", "prompt")}
+    src = write_parquet([game(7), game(8)], tmp_path / "raw.parquet", row_schema(env_seed=True))
+    clean_file(src, tmp_path / "clean.parquet", tmp_path / "q", TOK, RULES)
+    assert [r["extra_info"]["env_seed"] for r in pq.read_table(tmp_path / "clean.parquet").to_pylist()] == [
+        7,
+        8,
+    ]
+
+
 def test_clean_file_writes_both_and_is_byte_identical(tmp_path):
     train, _ = arithmetic_rows(50, 5, 20, ["+"], 0)
     rows = train + [train[0]]

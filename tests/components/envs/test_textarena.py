@@ -40,6 +40,17 @@ def test_a_move_out_of_format_is_answered_and_a_game_out_of_turns_pays_0():
     assert game().reset({}, seed=1) == game().reset({}, seed=1)  # the seed decides the game
 
 
+def test_a_game_lost_with_a_share_of_textarenas_reward_is_not_a_win():
+    """GuessTheNumber ends a game lost by repeating a guess with a partial reward (how close the guesses came,
+    0.58 here): a loss, paid 0 and not counted as won."""
+    env = game()
+    env.reset({}, seed=1)  # the number is 5
+    for guess in ("[1]", "[13]", "[111]"):
+        assert not env.step(guess, last_turn=False).ends
+    lost = env.step("[1]", last_turn=False)  # the second invalid move ends the game
+    assert lost.done and lost.reward == 0.0 and lost.counts == {"game_won": 0.0}
+
+
 def test_the_config_refuses_an_unknown_game_naming_the_closest():
     from components.config import load_config
     from components.errors import ConfigError
