@@ -18,7 +18,7 @@ from components.errors import ConfigError
 def load_checked(path: str | None, overrides: list[str] | None = None) -> Config:
     """The validated config; one ConfigError listing every problem these rules find."""
     cfg = load_config(path, overrides or [])
-    problems = algorithm_problems(cfg) + engine_and_model_problems(cfg)
+    problems = algorithm_problems(cfg) + engine_and_model_problems(cfg) + game_data_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
     return cfg
@@ -91,3 +91,25 @@ def engine_and_model_problems(cfg: Config) -> list[str]:
             backbone = cfg.critic.model_path or cfg.actor.model.path
             problems += lora_problems(backbone, LoraSettings.from_config(cfg.critic.lora), "critic.lora")
     return problems + vision_problems(cfg)
+
+
+def game_data_problems(cfg: Config) -> list[str]:
+    """data.task=textarena makes a game's rows: the game needs a demonstrator, and the rows need the game to
+    play them (multi_turn.enable with the textarena environment)."""
+    if cfg.data.task != "textarena":
+        return []
+    from components.data.games import SOURCE_PREFIX, check_game
+    from components.settings import MultiTurnSettings
+
+    problems = []
+    try:
+        check_game(cfg.multi_turn.game)
+    except ValueError as exc:
+        problems.append(str(exc))
+    mt = cfg.multi_turn
+    if not mt.enable or MultiTurnSettings.from_config(cfg).env_of(SOURCE_PREFIX + mt.game) != "textarena":
+        problems.append(
+            "data.task=textarena makes rows of a game, played by the textarena environment: set "
+            "multi_turn.enable=true and multi_turn.env=textarena"
+        )
+    return problems

@@ -360,29 +360,6 @@ def local_backend_problems(cfg: Config) -> list[str]:
     return problems
 
 
-def game_data_problems(cfg: Config) -> list[str]:
-    """data.task=textarena makes a game's rows: the game needs a demonstrator, and the rows need the game to
-    play them (multi_turn.enable with the textarena environment)."""
-    if cfg.data.task != "textarena":
-        return []
-    from components.data.games import SOURCE_PREFIX, check_game
-
-    problems = []
-    try:
-        check_game(cfg.multi_turn.game)
-    except ValueError as exc:
-        problems.append(str(exc))
-    mt = cfg.multi_turn
-    from components.settings import MultiTurnSettings
-
-    if not mt.enable or MultiTurnSettings.from_config(cfg).env_of(SOURCE_PREFIX + mt.game) != "textarena":
-        problems.append(
-            "data.task=textarena makes rows of a game, played by the textarena environment: set "
-            "multi_turn.enable=true and multi_turn.env=textarena"
-        )
-    return problems
-
-
 def check_combinations(cfg: Config) -> None:
     """Raise one ConfigError listing every impossible combination of sections in `cfg` (the rules that need
     the resolved algorithm, the engine's package or the model directories are components/validate.py's)."""
@@ -398,7 +375,7 @@ def check_combinations(cfg: Config) -> None:
             "trainer.rollout_placement=separate; to share a GPU with the policy set engine.num_gpus to "
             "a fraction and engine.sleep_during_update=true."
         )
-    problems += local_backend_problems(cfg) + game_data_problems(cfg)
+    problems += local_backend_problems(cfg)
     responses = cfg.data.batch_size * cfg.engine.n
     replicas = data_parallel_replicas(cfg)
     if responses % replicas:

@@ -75,14 +75,14 @@ def test_sft_on_a_conversation_trains_on_the_tokens_the_rollout_holds_at_that_tu
 
 
 def test_a_game_without_a_demonstrator_or_without_the_game_environment_is_the_configs_error():
-    from components.config import load_config
     from components.errors import ConfigError
+    from components.validate import load_checked
 
     with pytest.raises(
         ConfigError, match=r"multi_turn.game='Wordle-v0' has no demonstrator.*GuessTheNumber-v0"
     ):
-        load_config("configs/game_grpo.yaml", ["multi_turn.game=Wordle-v0"])
+        load_checked("configs/game_grpo.yaml", ["multi_turn.game=Wordle-v0"])
     with pytest.raises(
         ConfigError, match="data.task=textarena makes rows of a game.*multi_turn.env=textarena"
     ):
-        load_config("configs/game_grpo.yaml", ["multi_turn.env=tools"])
+        load_checked("configs/game_grpo.yaml", ["multi_turn.env=tools"])
