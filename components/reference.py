@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from components.config.loader import flatten, load_config, parse_overrides, read_yaml
+from components.config.loader import flatten, parse_overrides, read_yaml
 from components.config.schema import Config
 
 HEADER = (
@@ -70,7 +70,9 @@ def _keys_of(raw: dict, prefix: str = "") -> set[str]:
 def resolved_config(path: str | None, overrides: list[str]) -> list[tuple[str, Any, str]]:
     """(dotted key, value, source) of every key of the config `path` with `overrides`, the preset's values
     filled in; source is default, preset, file or override (the last that set it)."""
-    cfg = load_config(path, overrides)
+    from components.validate import load_checked
+
+    cfg = load_checked(path, overrides)  # a bad preset or knob name is a one-line error here too
     from_file = _keys_of(read_yaml(path)) if path else set()
     from_overrides = _keys_of(parse_overrides(overrides))
     preset = _preset_values(cfg)

@@ -218,7 +218,7 @@ def add_advantages(
             t["rollout_logprobs"],
             mask,
             algo.rollout_correction,
-            algo.rollout_correction_cap,
+            algo.rollout_correction_params,
         )
         metrics.update(corr)
     if "values" in t:

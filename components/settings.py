@@ -245,11 +245,32 @@ class PolicyLossParams:
     clip_high: float = 0.2  # 1 + clip_high is the upper ratio bound (DAPO: larger)
     clip_ratio_c: float = 3.0  # dual clip for negative advantages
     agg_mode: str = "token-mean"
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperature for positive advantages
+    sapo_tau_neg: float = 1.05  # ... and for the others
+    clip_cov_ratio: float = 2e-4  # Clip-Cov: fraction of tokens whose gradient is cut
+    clip_cov_lb: float = 1.0  # Clip-Cov: the covariance band tokens are drawn from
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-3  # KL-Cov: fraction of tokens penalised
+    kl_cov_coef: float = 1.0  # KL-Cov: the penalty's coefficient
+    seed: int = 0  # Clip-Cov's draw
 
     @classmethod
     def from_config(cls, cfg: Config, algo: ResolvedAlgorithm) -> PolicyLossParams:
         a = cfg.algorithm
-        return cls(a.clip_epsilon, algo.clip_ratio_high, a.clip_ratio_c, algo.loss_agg_mode)
+        return cls(
+            a.clip_epsilon,
+            algo.clip_ratio_high,
+            a.clip_ratio_c,
+            algo.loss_agg_mode,
+            sapo_tau_pos=a.sapo_tau_pos,
+            sapo_tau_neg=a.sapo_tau_neg,
+            clip_cov_ratio=a.clip_cov_ratio,
+            clip_cov_lb=a.clip_cov_lb,
+            clip_cov_ub=a.clip_cov_ub,
+            kl_cov_ratio=a.kl_cov_ratio,
+            kl_cov_coef=a.kl_cov_coef,
+            seed=cfg.trainer.seed,
+        )
 
 
 @dataclass(frozen=True)

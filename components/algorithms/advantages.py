@@ -103,6 +103,23 @@ def rloo(token_rewards, response_mask, group_ids, values, params: AdvantageParam
     return _broadcast((scores - mean) * scale, response_mask)
 
 
+@ADVANTAGES.register("gpg", grouped=True)
+def gpg(token_rewards, response_mask, group_ids, values, params: AdvantageParams):
+    """GPG (arXiv 2504.02546): A_i = alpha (r_i - mean_g) / F_norm, F_norm = std_g + eps when
+    norm_adv_by_std (the gpg preset: 1). alpha = B / (B - M), M the responses in groups whose rewards are all
+    equal: they carry no gradient, and alpha scales the others' up so the batch's gradient keeps its size."""
+    scores = (token_rewards * response_mask).sum(-1)
+    mean, std, count = group_stats(scores, group_ids)
+    inverse, n_groups = group_index(group_ids)
+    spread = group_sum((scores - mean).abs(), inverse, n_groups)[inverse]
+    flat = int(((spread == 0) & (count > 1)).sum())
+    alpha = len(scores) / max(len(scores) - flat, 1)
+    adv = alpha * (scores - mean)
+    if params.norm_adv_by_std:
+        adv = adv / (std + params.epsilon)
+    return _broadcast(adv, response_mask)
+
+
 @ADVANTAGES.register("reinforce_plus_plus_baseline", grouped=True)
 def reinforce_plus_plus_baseline(token_rewards, response_mask, group_ids, values, params: AdvantageParams):
     """REINFORCE++-baseline (arXiv 2501.03262): r_i - mean_g broadcast over tokens, then whitened over the batch."""

@@ -151,6 +151,114 @@ def cispo(logp, old_logp, advantages, mask, p: PolicyLossParams, agg: AggParams)
     return agg_loss(per_token, mask, p.agg_mode, agg), metrics
 
 
+@POLICY_LOSSES.register("sapo")
+def sapo(logp, old_logp, advantages, mask, p: PolicyLossParams, agg: AggParams):
+    """SAPO (Qwen, arXiv 2511.20347): a soft gate in place of the hard clip.
+
+    L = -A f(ratio) with f(r) = 4/tau sigmoid(tau (r - 1)), tau = sapo_tau_pos where A > 0 and sapo_tau_neg
+    elsewhere (the paper's 1.0 / 1.05: negative tokens are damped faster). The gradient weight of a token is
+    4 sigmoid (1 - sigmoid) ratio: ratio itself at ratio 1, falling smoothly as the ratio leaves 1, where the
+    hard clip would cut it to 0. pg_clipfrac counts the tokens whose gate weight is below one half.
+    """
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))
+    tau = torch.where(advantages > 0, p.sapo_tau_pos, p.sapo_tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1))
+    per_token = -advantages * gate * 4 / tau
+    damped = (4 * gate * (1 - gate)).detach() < 0.5
+    metrics = _ratio_metrics(mask, agg, logp - old_logp, damped, damped & (ratio.detach() < 1))
+    return agg_loss(per_token, mask, p.agg_mode, agg), metrics
+
+
+@POLICY_LOSSES.register("gmpo")
+def gmpo(logp, old_logp, advantages, mask, p: PolicyLossParams, agg: AggParams):
+    """GMPO (arXiv 2507.20673): the geometric mean of the token ratios over the sequence, clipped per token
+    in log space, replaces the arithmetic mean of clipped ratios.
+
+    Each token's log-ratio x is clipped to [-clip_low, clip_high] on the side its advantage's sign makes
+    pessimistic (sign(A) min(sign(A) x, sign(A) clip(x))); the sequence ratio is exp(mean_t of those), and
+    L_i = -A_i ratio_i with A_i the sequence's mean advantage. The per-sequence loss is broadcast over its
+    tokens, so `seq-mean-token-mean` (the paper's) gives mean_i L_i. The paper's bounds are 0.4 both ways
+    (`clip_epsilon=0.4 clip_ratio_high=0.4`); the defaults here are PPO's 0.2.
+    """
+    x = (logp - old_logp).clamp(-20, 20)
+    sign = torch.sign(advantages)
+    clipped_x = x.clamp(-p.clip_low, p.clip_high)
+    kept = sign * torch.minimum(sign * x, sign * clipped_x)
+    lengths = mask.sum(-1).clamp(min=1)
+    log_ratio = (kept * mask).sum(-1) / lengths  # (B,)
+    seq_adv = (advantages * mask).sum(-1) / lengths  # (B,)
+    per_seq = -seq_adv * torch.exp(log_ratio)
+    per_token = per_seq[:, None].expand_as(mask)
+    cut = (clipped_x != x).detach()
+    metrics = _ratio_metrics(mask, agg, x, cut, cut & (x < -p.clip_low))
+    return agg_loss(per_token, mask, p.agg_mode, agg), metrics
+
+
+def _centred_covariance(logp, advantages, mask) -> torch.Tensor:
+    """(A - mean A)(logp - mean logp) per token (B, T), the means over the masked tokens: the covariance
+    term by which a token drives the policy's entropy down (arXiv 2505.22617, eq. 9)."""
+    n = mask.sum().clamp(min=1)
+    lp = logp.detach()
+    return (advantages - (advantages * mask).sum() / n) * (lp - (lp * mask).sum() / n)
+
+
+@POLICY_LOSSES.register("clip_cov")
+def clip_cov(logp, old_logp, advantages, mask, p: PolicyLossParams, agg: AggParams):
+    """Clip-Cov (arXiv 2505.22617, "The Entropy Mechanism of RL for Reasoning LMs"): PPO's clipped loss,
+    and in addition a fraction `clip_cov_ratio` of the tokens, drawn at random among those whose covariance
+    lies in (clip_cov_lb, clip_cov_ub) and that the ratio clip has not already cut, lose their gradient.
+
+    The draw is seeded (`trainer.seed` with the batch's token count) so a rerun cuts the same tokens. At
+    least one token is drawn when any is eligible, as in the paper's code. pg_clipfrac counts the cut ones.
+    """
+    x = (logp - old_logp).clamp(-20, 20)
+    ratio = torch.exp(x)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1 - p.clip_low, 1 + p.clip_high)
+    by_ratio = (pg2 > pg1) & mask.bool()
+    cov = _centred_covariance(logp, advantages, mask)
+    eligible = (cov > p.clip_cov_lb) & (cov < p.clip_cov_ub) & mask.bool() & ~by_ratio
+    where = eligible.flatten().nonzero().squeeze(-1)
+    n_cut = min(max(int(p.clip_cov_ratio * float(mask.sum())), 1), len(where))
+    generator = torch.Generator().manual_seed(p.seed * 1_000_003 + int(mask.sum()))
+    chosen = where[torch.randperm(len(where), generator=generator)[:n_cut]]
+    keep = torch.ones(mask.numel()).index_fill_(0, chosen, 0.0).view_as(mask)
+    per_token = torch.maximum(pg1, pg2) * keep
+    cut = (keep == 0) | by_ratio
+    metrics = _ratio_metrics(mask, agg, x, cut, cut & (ratio.detach() < 1))
+    return agg_loss(per_token, mask, p.agg_mode, agg), metrics
+
+
+@POLICY_LOSSES.register("kl_cov")
+def kl_cov(logp, old_logp, advantages, mask, p: PolicyLossParams, agg: AggParams):
+    """KL-Cov (arXiv 2505.22617): no ratio clip; the top `kl_cov_ratio` fraction of the masked tokens by
+    covariance (at least one) get a KL penalty kl_cov_coef |logp - old_logp| added to -A ratio.
+
+    pg_clipfrac counts the penalised tokens.
+    """
+    x = (logp - old_logp).clamp(-20, 20)
+    per_token = -advantages * torch.exp(x)
+    cov = _centred_covariance(logp, advantages, mask).masked_fill(~mask.bool(), float("-inf"))
+    n_valid = int(mask.sum())
+    k = min(max(int(p.kl_cov_ratio * n_valid), 1), n_valid)
+    penalised = torch.zeros(mask.numel(), dtype=torch.bool)
+    penalised[cov.flatten().topk(k).indices] = True
+    penalised = penalised.view_as(mask)
+    per_token = torch.where(penalised, per_token + p.kl_cov_coef * x.abs(), per_token)
+    metrics = _ratio_metrics(mask, agg, x, penalised, torch.zeros_like(penalised))
+    return agg_loss(per_token, mask, p.agg_mode, agg), metrics
+
+
+@POLICY_LOSSES.register("gpg")
+def gpg(logp, old_logp, advantages, mask, p: PolicyLossParams, agg: AggParams):
+    """GPG (Group Policy Gradient, arXiv 2504.02546): plain policy gradient, no ratio and no clip,
+    L = -A logp. Pair it with the `gpg` estimator (the `gpg` preset does), whose advantages carry the
+    paper's correction for groups without signal. Metrics: no token is clipped; ppo_kl as the others."""
+    per_token = -advantages * logp
+    none = torch.zeros_like(mask, dtype=torch.bool)
+    return agg_loss(per_token, mask, p.agg_mode, agg), _ratio_metrics(mask, agg, logp - old_logp, none, none)
+
+
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from components.algorithms.advantages import ADVANTAGES
 from components.algorithms.losses import AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
+from components.algorithms.rollout_correction import CorrectionParams, check_mode
 
 if TYPE_CHECKING:
     from components.config.schema import AlgorithmConfig
@@ -46,6 +47,16 @@ PRESETS: dict[str, dict] = {
     },
     "remax": {"adv_estimator": "remax", "norm_adv_by_std": False},
     "gspo": {"loss_agg_mode": "seq-mean-token-mean", "policy_loss": "gspo"},
+    # SAPO (arXiv 2511.20347): a soft gate in place of the clip, sequence-mean aggregation as the paper
+    "sapo": {"loss_agg_mode": "seq-mean-token-mean", "policy_loss": "sapo"},
+    # GMPO (arXiv 2507.20673): geometric-mean sequence ratio, log-space clip of 0.4 above (and, by
+    # algorithm.clip_epsilon=0.4, below)
+    "gmpo": {"loss_agg_mode": "seq-mean-token-mean", "policy_loss": "gmpo", "clip_ratio_high": 0.4},
+    # Clip-Cov and KL-Cov (arXiv 2505.22617): entropy kept up by handling the high-covariance tokens
+    "clip_cov": {"policy_loss": "clip_cov"},
+    "kl_cov": {"policy_loss": "kl_cov"},
+    # GPG (arXiv 2504.02546): plain policy gradient, no std division, alpha-corrected group baseline
+    "gpg": {"adv_estimator": "gpg", "policy_loss": "gpg", "norm_adv_by_std": False},
 }
 
 
@@ -69,7 +80,7 @@ class ResolvedAlgorithm:
     rollout_correction: str = (
         "none"  # algorithm.rollout_correction.mode (components/algorithms/rollout_correction)
     )
-    rollout_correction_cap: float = 2.0
+    rollout_correction_params: CorrectionParams = CorrectionParams()
 
 
 def resolve(cfg: AlgorithmConfig) -> ResolvedAlgorithm:
@@ -91,11 +102,9 @@ def resolve(cfg: AlgorithmConfig) -> ResolvedAlgorithm:
                 f"algorithm.{key}={kind}: unknown KL estimator. Valid names: "
                 f"{', '.join(KL_ESTIMATORS.names())} (add `+` for the straight-through form)."
             )
-    correction = cfg.rollout_correction.mode
-    if correction != "none":
-        from components.algorithms.rollout_correction import ROLLOUT_CORRECTIONS
-
-        ROLLOUT_CORRECTIONS.get(correction)  # KeyError naming the key and the valid modes
+    rc = cfg.rollout_correction
+    if rc.mode != "none":
+        check_mode(rc.mode)  # KeyError naming the key and the valid modes
     use_kl_loss = cfg.use_kl_loss if cfg.use_kl_loss is not None else cfg.kl_loss_coef > 0
     use_kl_loss = use_kl_loss and cfg.kl_loss_coef > 0
     return ResolvedAlgorithm(
@@ -106,6 +115,8 @@ def resolve(cfg: AlgorithmConfig) -> ResolvedAlgorithm:
         needs_critic=bool(info.get("needs_values")),
         needs_baseline=bool(info.get("needs_baseline")),
         grouped=bool(info.get("grouped")),
-        rollout_correction=correction,
-        rollout_correction_cap=cfg.rollout_correction.cap,
+        rollout_correction=rc.mode,
+        rollout_correction_params=CorrectionParams(
+            rc.cap, rc.band_low, rc.band_high, rc.geo_low, rc.geo_high, rc.offpolicy_threshold
+        ),
     )

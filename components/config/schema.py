@@ -36,9 +36,33 @@ class RolloutCorrectionConfig(Section):
     mode: str = Field(
         "none",
         description="none, tis / mis (token-level truncated / masked importance sampling), seq_tis / seq_mis "
-        "(sequence level)",
+        "(sequence level), geo_mis (geometric-mean sequence mask), icepop (token band mask), offpolicy_mask "
+        "(negative sequences past a divergence); join with + to combine (tis+icepop)",
     )
     cap: float = Field(2.0, gt=1, description="truncation cap, and the masked modes' band [1/cap, cap]")
+    band_low: float = Field(0.5, gt=0, description="icepop: tokens with weight below this are masked")
+    band_high: float = Field(5.0, gt=0, description="icepop: ... and above this")
+    geo_low: float = Field(
+        0.999, gt=0, description="geo_mis: sequences whose geometric-mean weight is below this are masked"
+    )
+    geo_high: float = Field(1.001, gt=0, description="geo_mis: ... and above this")
+    offpolicy_threshold: float = Field(
+        1e-4,
+        ge=0,
+        description="offpolicy_mask: negative-advantage sequences whose mean log(p_rollout / p_old) passes "
+        "this are masked",
+    )
+
+    @model_validator(mode="after")
+    def _bands(self) -> RolloutCorrectionConfig:
+        for low, high in (("band_low", "band_high"), ("geo_low", "geo_high")):
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(
+                    f"algorithm.rollout_correction.{low}={getattr(self, low)} is above "
+                    f"algorithm.rollout_correction.{high}={getattr(self, high)}: the band is empty; "
+                    f"set {low} <= {high}"
+                )
+        return self
 
 
 class AlgorithmConfig(Section):
@@ -46,7 +70,8 @@ class AlgorithmConfig(Section):
 
     name: str = Field(
         "grpo",
-        description="preset: grpo, ppo, dr_grpo, dapo, rloo, reinforce_plus_plus(_baseline), remax, gspo",
+        description="preset: grpo, ppo, dr_grpo, dapo, rloo, reinforce_plus_plus(_baseline), remax, gspo, "
+        "sapo, gmpo, clip_cov, kl_cov, gpg",
     )
     adv_estimator: str | None = Field(None, description="advantage estimator; None = the preset's")
     norm_adv_by_std: bool | None = Field(
@@ -57,7 +82,8 @@ class AlgorithmConfig(Section):
     )
     lam: float | None = Field(None, ge=0, le=1, description="GAE lambda; None = the preset's")
     policy_loss: str | None = Field(
-        None, description="policy loss: vanilla, gspo, cispo; None = the preset's"
+        None,
+        description="policy loss: vanilla, gspo, cispo, sapo, gmpo, clip_cov, kl_cov, gpg; None = the preset's",
     )
     loss_agg_mode: str | None = Field(None, description="loss aggregation; None = the preset's")
     clip_epsilon: float = Field(0.2, gt=0, lt=1, description="PPO clip range (verl: clip_ratio_low)")
@@ -65,6 +91,19 @@ class AlgorithmConfig(Section):
         None, gt=0, description="upper clip (DAPO clip-higher); None = preset"
     )
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages")
+    sapo_tau_pos: float = Field(1.0, gt=0, description="sapo: soft-gate temperature where the advantage > 0")
+    sapo_tau_neg: float = Field(
+        1.05, gt=0, description="sapo: soft-gate temperature where the advantage <= 0"
+    )
+    clip_cov_ratio: float = Field(
+        2e-4, gt=0, le=1, description="clip_cov: fraction of the tokens whose gradient is cut"
+    )
+    clip_cov_lb: float = Field(1.0, description="clip_cov: tokens are drawn with covariance above this")
+    clip_cov_ub: float = Field(5.0, description="clip_cov: ... and below this")
+    kl_cov_ratio: float = Field(
+        2e-3, gt=0, le=1, description="kl_cov: fraction of the tokens (top covariance) penalised"
+    )
+    kl_cov_coef: float = Field(1.0, ge=0, description="kl_cov: coefficient of the |log-ratio| penalty")
     use_kl_loss: bool | None = Field(
         None, description="add kl_loss_coef x KL(pi, pi_ref) to the loss; None = on when kl_loss_coef > 0"
     )
@@ -101,6 +140,15 @@ class AlgorithmConfig(Section):
         "fraction of engine.max_new_tokens (0 = off); None = preset",
     )
     overlong_penalty_factor: float = Field(1.0, ge=0, description="DAPO overlong penalty at max_new_tokens")
+
+    @model_validator(mode="after")
+    def _clip_cov_band(self) -> AlgorithmConfig:
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(
+                f"algorithm.clip_cov_lb={self.clip_cov_lb} is not below algorithm.clip_cov_ub="
+                f"{self.clip_cov_ub}: the covariance band is empty; set clip_cov_lb < clip_cov_ub"
+            )
+        return self
 
     @property
     def beta(self) -> float:

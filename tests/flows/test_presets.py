@@ -33,6 +33,12 @@ OWN_METRICS = {
         "rollout_corr/changed_frac",
         "rollout_corr/seq_weight_mean",
     ],
+    "sapo": [
+        "rollout_corr/icepop_frac",
+        "rollout_corr/geo_mis_frac",
+        "rollout_corr/offpolicy_mask_frac",
+        "rollout_corr/seq_masked_frac",
+    ],
 }
 EXTRA = {  # exercise the KL paths too: in the reward (adaptive) with PPO, in the loss with GRPO
     "ppo": [
@@ -43,6 +49,7 @@ EXTRA = {  # exercise the KL paths too: in the reward (adaptive) with PPO, in th
     ],
     "grpo": ["algorithm.kl_loss_coef=0.04"],
     "rloo": ["algorithm.rollout_correction.mode=tis"],  # engine vs trainer correction, in a sync run
+    "sapo": ["algorithm.rollout_correction.mode=icepop+geo_mis+offpolicy_mask"],  # the masks, combined
 }
 
 

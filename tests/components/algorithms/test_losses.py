@@ -278,3 +278,158 @@ def test_vanilla_ppo_loop_equals_vectorized():
     expected, clipfrac = _vanilla_loop(logp, old, adv, mask, 0.2, 0.28, 3.0)
     assert math.isclose(float(loss), expected, rel_tol=1e-5)
     assert math.isclose(float(m["actor/pg_clipfrac"]), clipfrac, rel_tol=1e-6)
+
+
+# ---- the 2025-26 policy losses: each against a hand-computed case -----------------------------------------
+
+
+def _loss(name, logp, old, adv, mask, params, agg):
+    from components.algorithms.losses import POLICY_LOSSES
+
+    return POLICY_LOSSES.get(name)(logp, old, adv, mask, params, agg)
+
+
+def _sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+@pytest.mark.parametrize("adv, tau", [(1.0, 1.0), (-1.0, 1.05)])
+def test_sapo_is_the_soft_gate_with_the_signs_temperature(adv, tau):
+    # ratio 1.2: loss -A 4/tau sigmoid(tau 0.2); gradient wrt logp -A 4 s (1 - s) ratio
+    logp = torch.tensor([[math.log(1.2)]], requires_grad=True)
+    loss, m = _loss(
+        "sapo",
+        logp,
+        torch.zeros(1, 1),
+        torch.tensor([[adv]]),
+        torch.ones(1, 1),
+        PolicyLossParams(),
+        AggParams(1, 1),
+    )
+    s = _sigmoid(tau * 0.2)
+    assert math.isclose(float(loss), -adv * 4 / tau * s, rel_tol=1e-6)
+    loss.backward()
+    assert math.isclose(float(logp.grad), -adv * 4 * s * (1 - s) * 1.2, rel_tol=1e-5)
+    assert float(m["actor/pg_clipfrac"]) == 0.0  # the gate weight 0.99 is not below one half
+
+
+def test_sapo_matches_the_plain_gradient_at_ratio_one_and_damps_far_tokens():
+    logp = torch.zeros(1, 2, requires_grad=True)
+    old = torch.tensor([[0.0, -3.0]])  # ratios 1 and e^3 = 20
+    loss, m = _loss(
+        "sapo", logp, old, torch.ones(1, 2), torch.ones(1, 2), PolicyLossParams(), AggParams(2, 1)
+    )
+    loss.backward()
+    assert math.isclose(float(logp.grad[0, 0]), -0.5, rel_tol=1e-6)  # -A / N_tokens, as vanilla
+    assert abs(float(logp.grad[0, 1])) < 1e-5  # sigmoid(19) saturates: no push
+    assert float(m["actor/pg_clipfrac"]) == 0.5
+
+
+def test_gmpo_clips_each_log_ratio_on_the_pessimistic_side_then_takes_the_geometric_mean():
+    p = PolicyLossParams(clip_low=0.4, clip_high=0.4, agg_mode="seq-mean-token-mean")
+    # A > 0, x = [0.1, 0.6]: the 0.6 is clipped to 0.4; mean 0.25; L = -e^0.25
+    logp = torch.tensor([[0.1, 0.6]], requires_grad=True)
+    loss, m = _loss("gmpo", logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), p, AggParams(2, 1))
+    assert math.isclose(float(loss), -math.exp(0.25), rel_tol=1e-6)
+    loss.backward()
+    assert math.isclose(float(logp.grad[0, 0]), -math.exp(0.25) / 2, rel_tol=1e-5)
+    assert float(logp.grad[0, 1]) == 0.0 and float(m["actor/pg_clipfrac"]) == 0.5
+    # A < 0, x = [0.1, -0.6]: the -0.6 is clipped to -0.4; a large x stays (pessimistic); L = +e^-0.15
+    logp = torch.tensor([[0.1, -0.6]])
+    loss, _ = _loss("gmpo", logp, torch.zeros(1, 2), -torch.ones(1, 2), torch.ones(1, 2), p, AggParams(2, 1))
+    assert math.isclose(float(loss), math.exp(-0.15), rel_tol=1e-6)
+    loss, _ = _loss(
+        "gmpo",
+        torch.tensor([[0.6]]),
+        torch.zeros(1, 1),
+        -torch.ones(1, 1),
+        torch.ones(1, 1),
+        p,
+        AggParams(1, 1),
+    )
+    assert math.isclose(float(loss), math.exp(0.6), rel_tol=1e-6)
+
+
+# four tokens at ratio 1; logp [-0.5, -2.5, -1.5, -1.5] (mean -1.5), A [2, -2, 0, 0] (mean 0):
+# covariances (A - mean A)(logp - mean logp) = [2, 2, 0, 0]
+COV_LOGP = torch.tensor([[-0.5, -2.5, -1.5, -1.5]])
+COV_ADV = torch.tensor([[2.0, -2.0, 0.0, 0.0]])
+
+
+def test_clip_cov_cuts_the_gradient_of_drawn_tokens_in_the_covariance_band():
+    p = PolicyLossParams(clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=5.0)
+    logp = COV_LOGP.clone().requires_grad_(True)
+    loss, m = _loss("clip_cov", logp, COV_LOGP, COV_ADV, torch.ones(1, 4), p, AggParams(4, 1))
+    loss.backward()
+    cut = (logp.grad[0] == 0) & (COV_ADV[0] != 0)
+    assert int(cut.sum()) == 1  # one of the two in the band (0.25 of 4 tokens)
+    kept = 1 - int(cut.nonzero())  # the other token keeps -A / 4
+    assert math.isclose(float(logp.grad[0, kept]), -float(COV_ADV[0, kept]) / 4, rel_tol=1e-6)
+    assert math.isclose(float(loss), -float(COV_ADV[0, kept]) / 4, rel_tol=1e-6)
+    assert float(m["actor/pg_clipfrac"]) == 0.25
+    again, _ = _loss("clip_cov", COV_LOGP.clone(), COV_LOGP, COV_ADV, torch.ones(1, 4), p, AggParams(4, 1))
+    assert float(again) == float(loss)  # the draw is seeded
+
+
+def test_clip_cov_outside_the_band_is_vanilla_ppo():
+    p = PolicyLossParams(clip_cov_ratio=0.25, clip_cov_lb=2.5, clip_cov_ub=5.0)  # covariances 2 < 2.5
+    args = (COV_LOGP, COV_LOGP, COV_ADV, torch.ones(1, 4))
+    loss, m = _loss("clip_cov", *args, p, AggParams(4, 1))
+    assert (
+        float(loss) == float(vanilla_ppo(*args, p, AggParams(4, 1))[0]) and float(m["actor/pg_clipfrac"]) == 0
+    )
+
+
+def test_kl_cov_penalises_the_top_covariance_token():
+    # A [2, -3, 0, 0] (mean -0.25): covariances [2.25, 2.75, 0, 0]; the top one (token 1) is penalised
+    adv = torch.tensor([[2.0, -3.0, 0.0, 0.0]])
+    x = torch.tensor([[0.1, -0.2, 0.0, 0.0]])
+    p = PolicyLossParams(kl_cov_ratio=0.25, kl_cov_coef=1.0)
+    loss, m = _loss("kl_cov", COV_LOGP, COV_LOGP - x, adv, torch.ones(1, 4), p, AggParams(4, 1))
+    expected = (-2 * math.exp(0.1) + 3 * math.exp(-0.2) + 0.2) / 4
+    assert math.isclose(float(loss), expected, rel_tol=1e-6)
+    assert float(m["actor/pg_clipfrac"]) == 0.25
+
+
+def test_gpg_is_the_plain_policy_gradient():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, m = _loss(
+        "gpg",
+        logp,
+        logp.detach() - 5,
+        torch.tensor([[1.0, 1.0]]),
+        torch.ones(1, 2),
+        PolicyLossParams(),
+        AggParams(2, 1),
+    )
+    assert math.isclose(float(loss), 1.5, rel_tol=1e-6)  # -(1 * -1 + 1 * -2) / 2, whatever the old policy
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-0.5, -0.5]]))
+    assert float(m["actor/pg_clipfrac"]) == 0.0
+
+
+def test_the_gpg_estimator_scales_by_the_share_of_groups_with_signal():
+    from components.algorithms.advantages import ADVANTAGES, AdvantageParams
+
+    # group 0 scores [1, 0], group 1 [1, 1] (no signal): B = 4, M = 2, alpha = 2
+    rewards = torch.tensor([[1.0], [0.0], [1.0], [1.0]])
+    adv, _ = ADVANTAGES.get("gpg")(
+        rewards, torch.ones(4, 1), torch.tensor([0, 0, 1, 1]), None, AdvantageParams(norm_adv_by_std=False)
+    )
+    assert adv.flatten().tolist() == [1.0, -1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("algorithm.policy_loss=sapoo", r"algorithm\.policy_loss=sapoo: unknown policy loss.*sapo"),
+        ("algorithm.clip_cov_lb=9", r"algorithm\.clip_cov_lb=9.0 is not below algorithm\.clip_cov_ub"),
+        ("algorithm.sapo_tau_neg=0", r"algorithm\.sapo_tau_neg"),
+    ],
+)
+def test_a_bad_loss_setting_names_its_key(override, message):
+    from components.errors import ConfigError
+    from components.validate import load_checked
+
+    with pytest.raises(ConfigError, match=message):
+        load_checked("configs/arith_grpo.yaml", [override])
