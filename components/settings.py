@@ -307,6 +307,7 @@ class UpdateSettings:
     policy_loss: str = "vanilla"
     loss: PolicyLossParams = field(default_factory=PolicyLossParams)
     autocast_dtype: str | None = None  # "bf16" / "fp16": autocast the update's forward passes
+    router_replay: bool = False  # an MoE policy's forwards take the experts the rollout recorded (R3)
 
     @classmethod
     def from_config(cls, cfg: Config, algo: ResolvedAlgorithm) -> UpdateSettings:
@@ -322,6 +323,7 @@ class UpdateSettings:
             policy_loss=algo.policy_loss,
             loss=PolicyLossParams.from_config(cfg, algo),
             autocast_dtype=cfg.mixed_precision.dtype if cfg.mixed_precision.enabled else None,
+            router_replay=cfg.actor.router_replay == "R3",
         )
 
 

@@ -18,7 +18,12 @@ from components.errors import ConfigError
 def load_checked(path: str | None, overrides: list[str] | None = None) -> Config:
     """The validated config; one ConfigError listing every problem these rules find."""
     cfg = load_config(path, overrides or [])
-    problems = algorithm_problems(cfg) + engine_and_model_problems(cfg) + game_data_problems(cfg)
+    problems = (
+        algorithm_problems(cfg)
+        + engine_and_model_problems(cfg)
+        + game_data_problems(cfg)
+        + router_replay_problems(cfg)
+    )
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
     return cfg
@@ -112,4 +117,43 @@ def game_data_problems(cfg: Config) -> list[str]:
             "data.task=textarena makes rows of a game, played by the textarena environment: set "
             "multi_turn.enable=true and multi_turn.env=textarena"
         )
+    return problems
+
+
+# config.json keys that count a mixture-of-experts model's routed experts (Qwen-MoE, Mixtral, DeepSeek)
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def router_replay_problems(cfg: Config) -> list[str]:
+    """actor.router_replay=R3 replays the routes the hf engine records in one-turn rollouts, into a policy
+    that has routers, trained on data-parallel workers (components/models/moe.py)."""
+    if cfg.actor.router_replay == "disabled":
+        return []
+    fix = "or set actor.router_replay=disabled"
+    problems = []
+    if cfg.engine.type != "hf":
+        problems.append(
+            f"actor.router_replay=R3: engine.type={cfg.engine.type} does not record the experts each token "
+            f"took; use engine.type=hf {fix}"
+        )
+    unsupported = {
+        "multi_turn.enable=true": cfg.multi_turn.enable,
+        "trainer.partial_rollouts=true": cfg.trainer.partial_rollouts,
+        "actor.tensor_model_parallel_size > 1": cfg.actor.tensor_model_parallel_size > 1,
+        "actor.pipeline_model_parallel_size > 1": cfg.actor.pipeline_model_parallel_size > 1,
+    }
+    problems += [
+        f"actor.router_replay=R3 is not supported with {what} (routes are recorded for one-turn rollouts "
+        f"sampled whole, and replayed on data-parallel workers); turn it off {fix}"
+        for what, on in unsupported.items()
+        if on
+    ]
+    config = Path(cfg.actor.model.path) / "config.json"
+    if config.is_file():
+        fields = json.loads(config.read_text())
+        if not any(fields.get(k) for k in EXPERT_COUNT_KEYS):
+            problems.append(
+                f"actor.router_replay=R3: actor.model.path={cfg.actor.model.path} is a dense model (no "
+                f"experts in its config.json); train a mixture-of-experts policy (sft.num_experts > 0) {fix}"
+            )
     return problems

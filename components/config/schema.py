@@ -225,6 +225,12 @@ class ActorConfig(Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="policy optimizer")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (rank 0: full weights)")
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
+    router_replay: Literal["disabled", "R3"] = Field(
+        "disabled",
+        description="an MoE policy: R3 replays the experts each token took at rollout in every training "
+        "forward (the hf engine records them); disabled: the trainer routes by itself (the agreement is "
+        "logged either way, moe/routing_agreement)",
+    )
     ppo_mini_batch_size: int | None = Field(
         None, ge=1, description="responses per optimizer step; None = all"
     )
@@ -616,12 +622,21 @@ class SFTConfig(Section):
     num_layers: int = Field(2, ge=1, description="tiny model depth")
     num_heads: int = Field(4, ge=1, description="tiny model attention heads")
     intermediate_size: int = Field(512, ge=8, description="tiny model MLP width")
+    num_experts: int = Field(
+        0, ge=0, description="tiny model: experts per layer (a Qwen2-MoE policy); 0 = a dense Qwen2"
+    )
+    experts_per_token: int = Field(2, ge=1, description="tiny MoE model: experts each token is routed to")
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> SFTConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"sft.num_heads={self.num_heads} must divide sft.hidden_size={self.hidden_size}."
+            )
+        if self.num_experts and self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"sft.experts_per_token={self.experts_per_token} is more than sft.num_experts="
+                f"{self.num_experts}: route each token to at most num_experts experts"
             )
         return self
 

@@ -57,6 +57,8 @@ def tiny_model_for(
         intermediate_size=sft.intermediate_size,
         max_positions=max_positions,
         seed=seed,
+        num_experts=sft.num_experts,
+        experts_per_token=sft.experts_per_token,
     )
 
 
@@ -69,14 +71,25 @@ def build_tiny_model(
     intermediate_size: int,
     max_positions: int,
     seed: int,
+    num_experts: int = 0,
+    experts_per_token: int = 2,
 ) -> Qwen2ForCausalLM:
-    """A randomly initialised Qwen2ForCausalLM sized for a 2-core CPU. Seeded: same args, same weights."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM  # modeling code: only where a model is built
+    """A randomly initialised Qwen2ForCausalLM sized for a 2-core CPU. Seeded: same args, same weights.
 
-    config = Qwen2Config(
+    num_experts > 0 builds its mixture-of-experts sibling instead, a Qwen2MoeForCausalLM (transformers' own
+    class) whose every layer's MLP is `num_experts` experts of intermediate_size / experts_per_token, each
+    token routed to `experts_per_token` of them, beside a shared expert of the same size: as many active
+    MLP parameters per token as the dense model's MLP."""
+    from transformers import (  # modeling code: only where a model is built
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+    )
+
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
@@ -87,7 +100,23 @@ def build_tiny_model(
         bos_token_id=None,
         use_cache=True,
     )
+    if num_experts:
+        # a multiple of 8: transformers' grouped matmul over the experts wants 16-byte strides
+        expert_size = max(intermediate_size // (experts_per_token + 1) // 8 * 8, 8)
+        config = Qwen2MoeConfig(
+            **common,
+            intermediate_size=intermediate_size,
+            moe_intermediate_size=expert_size,
+            shared_expert_intermediate_size=expert_size,
+            num_experts=num_experts,
+            num_experts_per_tok=experts_per_token,
+            norm_topk_prob=True,
+            output_router_logits=False,
+        )
+        model_cls = Qwen2MoeForCausalLM
+    else:
+        config, model_cls = Qwen2Config(**common, intermediate_size=intermediate_size), Qwen2ForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = model_cls(config)
     return model

@@ -27,6 +27,9 @@ class RolloutOutput:
     weights_version: int
     # (B*n,) bool: samples stopped before their end because the caller asked (`interrupt`), None if none was
     unfinished: torch.Tensor | None = None
+    # an MoE policy's routes (B*n, P + R, L, k) int16: the experts each prompt and response position took in
+    # each MoE layer (components/models/moe.py), -1 where nothing was fed (the last sampled token); else None
+    routes: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

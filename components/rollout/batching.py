@@ -15,8 +15,13 @@ def rollout_batch(
     """Rows x n completions as one Batch. group_ids (N,) tie completions of one prompt together."""
     prompts, prompt_mask = left_pad(prompt_ids, pad_id)
     reps = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+    routes = {}
+    if out.routes is not None:  # an MoE policy's experts, split where the batch splits prompt and response
+        width = prompts.shape[1]
+        routes = {"prompt_routes": out.routes[:, :width], "response_routes": out.routes[:, width:]}
     return Batch(
         tensors={
+            **routes,
             "prompts": prompts.repeat_interleave(n, 0),
             "prompt_mask": prompt_mask.repeat_interleave(n, 0),
             "responses": out.responses,
@@ -49,21 +54,24 @@ def decode_responses(
 
 
 def _pad_width(t: torch.Tensor, width: int, left: bool) -> torch.Tensor:
-    """(N, W) -> (N, width) with zeros: on the left for prompts (they end at the last column), else right."""
+    """(N, W, ...) -> (N, width, ...) with zeros: on the left for prompts (they end at the last column), else
+    right. (An MoE route of 0 on padding is harmless: no real token attends to a padded position.)"""
     extra = width - t.shape[1]
     if extra <= 0:
         return t
-    pad = torch.zeros((t.shape[0], extra), dtype=t.dtype)
+    pad = torch.zeros((t.shape[0], extra, *t.shape[2:]), dtype=t.dtype)
     return torch.cat([pad, t] if left else [t, pad], dim=1)
 
 
 def concat_rounds(parts: list[Batch]) -> Batch:
     """Batches from several generation rounds as one: group ids renumbered so rounds never share a group, and
-    2-D tensors padded to a common width (prompt tensors on the left, response tensors on the right; the
-    masks are 0 on the padding, so no loss or reward sees it)."""
+    token tensors (2-D, and MoE routes) padded to a common width (prompt tensors on the left, response
+    tensors on the right; the masks are 0 on the padding, so no loss or reward sees it)."""
     parts = [p for p in parts if len(p)] or parts[:1]
     widths = {
-        k: max(p.tensors[k].shape[1] for p in parts) for k, v in parts[0].tensors.items() if v.dim() == 2
+        k: max(p.tensors[k].shape[1] for p in parts)
+        for k, v in parts[0].tensors.items()
+        if v.dim() == 2 or k.endswith("_routes")  # not images: (N, C, H, W) has no token axis
     }
     out, offset = [], 0
     for p in parts:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 
 from components.models.loading import image_token_id
 from components.models.lora import is_lora
+from components.models.moe import NOT_RECORDED, RouteRecorder, is_moe
 from components.rollout.base import PromptImages, RolloutOutput, check_newer, left_pad
 from components.rollout.fast_decode import LeanDecoder, prefill_mask, unsupported_reason
 from components.rollout.sampling import sample_tokens
@@ -34,6 +36,7 @@ class HFEngine:
         self.slow_reason = unsupported_reason(model) if fast_decode else "fast_decode=False"
         self.lean = LeanDecoder(model) if self.slow_reason is None else None
         self.banned = image_token_id(model)  # a VLM's image token is never sampled
+        self.moe = is_moe(model)  # record each token's experts, for the trainer to replay
         self.adapters = False  # updates carry LoRA adapters alone (use_adapters)
         if is_lora(model):  # a colocated LoRA policy: its adapters sit in transformers' forward
             self.slow_reason, self.lean = "LoRA adapters", None
@@ -106,6 +109,17 @@ class HFEngine:
         ids = ids.repeat_interleave(params.n, 0).to(device)  # (N, P)
         mask = mask.repeat_interleave(params.n, 0).to(device)
         pixels = None if images is None else images.pixels.repeat_interleave(params.n, 0).to(device)
+        recorder = RouteRecorder(self.model, ids.shape[0]) if self.moe else nullcontext()
+        with recorder:
+            out = self._sample(ids, mask, pixels, params, gen, interrupt)
+        if self.moe:  # the last sampled token was never fed: nothing recorded there
+            routes = recorder.routes()
+            missing = ids.shape[1] + out.responses.shape[1] - routes.shape[1]
+            out.routes = torch.cat([routes, torch.full_like(routes[:, :missing], NOT_RECORDED)], dim=1)
+        return out
+
+    def _sample(self, ids, mask, pixels, params: SamplingParams, gen, interrupt) -> RolloutOutput:
+        device = ids.device
         decoder = (
             _LeanSteps(self.lean, self.model, ids, mask, params.max_new_tokens)
             if self.lean is not None

@@ -12,11 +12,13 @@ import torch
 
 from components.algorithms.losses import POLICY_LOSSES, AggParams, agg_loss, kl_penalty
 from components.batch import Batch
+from components.models.moe import Routing, RoutingStats
 from components.settings import UpdateSettings
 from components.training.distributed import Comm
 from components.training.logprobs import (
     batch_logprobs,
     logits_logprobs,
+    moe_routes,
     response_attention,
     response_logprobs,
     vision_inputs,
@@ -52,6 +54,13 @@ class PolicyTrainer:
         self.comm, self.scaler = comm or Comm(), scaler
         self.pipeline = pipeline  # a pipeline stage (components/training/pipeline_parallel.py), or None
         self.steps = 0
+        self.route_stats = RoutingStats()  # an MoE policy's agreement with the rollout's routes, this update
+
+    def routing(self, t: dict[str, torch.Tensor], stats: RoutingStats | None = None) -> Routing | None:
+        """The policy's forwards over these rows replay the rollout's routes (R3), or leave them be; `stats`
+        counts how often the policy's own routers chose as the rollout's."""
+        routes = moe_routes(t)
+        return None if routes is None else Routing(routes, self.s.router_replay, stats)
 
     def _logprobs(self, model, b: Batch, entropy: bool = False):
         t = b.tensors
@@ -64,6 +73,7 @@ class PolicyTrainer:
             self.s.temperature,
             with_entropy=entropy,
             **vision_inputs(t),
+            routing=self.routing(t) if model is self.model else None,
         )
 
     def off_policy(self, n_rows: int) -> bool:
@@ -83,8 +93,15 @@ class PolicyTrainer:
                     for part in row_chunks(batch, self.s.loop.micro_batch_size)
                 ]
             )
-        model = self.ref_model if reference else self.model
-        return batch_logprobs(model, batch, self.s.temperature, self.s.loop.micro_batch_size)
+        if reference:  # the reference routes by itself: its weights are not the ones that sampled
+            return batch_logprobs(self.ref_model, batch, self.s.temperature, self.s.loop.micro_batch_size)
+        return batch_logprobs(
+            self.model,
+            batch,
+            self.s.temperature,
+            self.s.loop.micro_batch_size,
+            lambda t: self.routing(t, self.route_stats),
+        )
 
     def _logits_loss(self, t: dict[str, torch.Tensor], logits: torch.Tensor, agg: AggParams):
         """A pipeline's last stage: the micro-batch's loss from its logits."""
@@ -95,6 +112,8 @@ class PolicyTrainer:
         """Add what the update needs and the batch lacks: old (behaviour) log-probs when off-policy or asked,
         and reference log-probs when a reference is loaded. Computed once, before any update."""
         t, extra = batch.tensors, {}
+        # an MoE rollout's routes: this pass, with the weights before any step, measures the routing agreement
+        need_old = need_old or "prompt_routes" in t
         if "old_logprobs" not in t and (need_old or self.off_policy(len(batch))):
             extra["old_logprobs"] = self.logprobs(batch)
         if "ref_logprobs" not in t and self.ref_model is not None:
@@ -133,6 +152,7 @@ class PolicyTrainer:
 
     def update(self, batch: Batch) -> dict[str, float]:
         """One RL update on `batch` (needs prompts, prompt_mask, responses, response_mask, advantages)."""
+        self.route_stats = RoutingStats()
         batch = self.prepare(batch)
         self.model.train()
         metrics = minibatch_update(
@@ -153,6 +173,8 @@ class PolicyTrainer:
             metrics = self.pipeline.from_last_stage(metrics)
         if self.s.beta > 0:
             metrics["actor/kl_coef"] = self.s.beta
+        if self.route_stats.total:  # (token, layer) pairs where the trainer's router chose as the rollout's
+            metrics["moe/routing_agreement"] = self.route_stats.agreement()
         self.steps += 1
         self.model.eval()
         return metrics

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 
 from components.models.loading import image_token_id
+from components.models.moe import Routing, replay_routes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -33,6 +36,14 @@ def vision_inputs(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"pixel_values": t["pixel_values"]} if "pixel_values" in t else {}
 
 
+def moe_routes(t: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """An MoE rollout's routes over a forward's positions, prompt then response (N, P+R, L, k); None when
+    the batch has none (a dense policy, or an engine that does not record them)."""
+    if "prompt_routes" not in t:
+        return None
+    return torch.cat([t["prompt_routes"], t["response_routes"]], dim=1)
+
+
 def response_logprobs(
     model: PreTrainedModel,
     prompts: torch.Tensor,
@@ -42,17 +53,25 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     pixel_values: torch.Tensor | None = None,
+    routing: Routing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(response_t | prefix) (N, R) and, if asked, the entropy of each step's distribution (N, R).
 
     Logits are divided by the sampling temperature, as the rollout engine did when it sampled. A VLM gets each
-    row's image as `pixel_values` (N, C, H, W); its image tokens are part of the prompt.
+    row's image as `pixel_values` (N, C, H, W); its image tokens are part of the prompt. An MoE policy's
+    forward replays (or compares with) the rollout's routes when `routing` is given (components/models/moe.py).
     """
     ids, mask, positions = sequence_inputs(prompts, prompt_mask, responses, response_mask)
     images = {"pixel_values": pixel_values} if pixel_values is not None else {}
-    logits = model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **images
-    ).logits
+    routed = (
+        replay_routes(model, routing.routes, mask, routing.replay, routing.stats)
+        if routing is not None
+        else nullcontext()
+    )
+    with routed:
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **images
+        ).logits
     return logits_logprobs(logits, responses, temperature, with_entropy, image_token_id(model))
 
 
@@ -82,9 +101,14 @@ def logits_logprobs(
 
 @torch.no_grad()
 def batch_logprobs(
-    model: PreTrainedModel, batch, temperature: float, micro_batch_size: int | None
+    model: PreTrainedModel,
+    batch,
+    temperature: float,
+    micro_batch_size: int | None,
+    routing: Callable[[dict[str, torch.Tensor]], Routing | None] = lambda t: None,
 ) -> torch.Tensor:
-    """Log-probs (N, R) of a Batch's responses, micro_batch_size rows per forward pass (None = all at once)."""
+    """Log-probs (N, R) of a Batch's responses, micro_batch_size rows per forward pass (None = all at once);
+    `routing` gives each part's MoE routing (none by default)."""
     from components.training.loop import row_chunks
 
     model.eval()
@@ -100,6 +124,7 @@ def batch_logprobs(
                 response_attention(t),
                 temperature,
                 **vision_inputs(t),
+                routing=routing(t),
             )[0]
         )
     return torch.cat(parts)

@@ -41,6 +41,7 @@ TOKEN_KEYS = (
     "returns",
     "token_rewards",
     "values",
+    "response_routes",
 )
 
 
@@ -76,7 +77,7 @@ def trim_padding(b: Batch) -> Batch:
     r_used = response_attention(t).any(0).nonzero()
     p0 = int(p_used[0]) if len(p_used) else t["prompts"].shape[1] - 1
     r1 = int(r_used[-1]) + 1 if len(r_used) else 1
-    cut = {k: v[:, p0:] for k, v in t.items() if k in ("prompts", "prompt_mask")}
+    cut = {k: v[:, p0:] for k, v in t.items() if k in ("prompts", "prompt_mask", "prompt_routes")}
     cut |= {k: v[:, :r1] for k, v in t.items() if k in TOKEN_KEYS and v.dim() >= 2}
     return b.union(**cut)
 
