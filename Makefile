@@ -11,7 +11,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export RAY_DEDUP_LOGS := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run run-vlm run-envs test test-fast lint format install clean bytecode
+.PHONY: run run-vlm run-envs run-distill test test-fast lint format install clean bytecode
 
 $(STAMP): pyproject.toml
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
@@ -54,6 +54,13 @@ run-envs: $(STAMP) bytecode
 	$(VENV)/bin/dvc repro --pull environments/dvc.yaml
 	$(VENV)/bin/dvc push -q environments/dvc.yaml
 	$(VENV)/bin/dvc metrics show metrics/rg_eval.json metrics/game_eval.json
+
+# On-policy distillation (docs/algorithms.md): the default pipeline's GRPO model teaches a smaller student,
+# against the same student trained by GRPO alone (DVC runs the default pipeline's stages first when needed).
+run-distill: $(STAMP) bytecode
+	$(VENV)/bin/dvc repro --pull distill/dvc.yaml
+	$(VENV)/bin/dvc push -q distill/dvc.yaml
+	$(VENV)/bin/dvc metrics show metrics/eval.json metrics/distill_eval.json metrics/student_grpo_eval.json
 
 test: $(STAMP) bytecode
 	$(PY) -m ruff format --check .

@@ -13,6 +13,7 @@ from components.algorithms.presets import ResolvedAlgorithm, resolve
 from components.config.loader import flatten
 from components.config.schema import Config
 from components.settings import (
+    DistillSettings,
     EvalSettings,
     Placement,
     PolicySettings,
@@ -46,6 +47,8 @@ class RunPlan:
     async_mode: str = "sync"  # trainer.async_mode
     ahead: int = 0  # batches sampled ahead of the one the policy trains on (0: the synchronous loop)
     max_staleness: int = 1  # policy versions a sample may lag before it is dropped
+    distill: DistillSettings | None = None  # on-policy distillation's advantages (a teacher is set)
+    teacher: ReferenceSettings | None = None  # distill.placement=separate: the teacher's own actor
 
 
 def make_plan(cfg: Config) -> RunPlan:
@@ -58,6 +61,8 @@ def make_plan(cfg: Config) -> RunPlan:
         policy=PolicySettings.from_config(cfg, algo),
         rollout=RolloutSettings.from_config(cfg),
         reference=ReferenceSettings.from_config(cfg, algo),
+        distill=DistillSettings.from_config(cfg),
+        teacher=ReferenceSettings.teacher(cfg),
         placement=Placement.from_config(cfg, algo),
         rewards=RewardSettings.from_config(cfg, algo),
         evaluation=EvalSettings.from_config(cfg),

@@ -18,6 +18,7 @@ from components.algorithms.shaping import informative_groups, kl_in_reward, over
 from components.batch import Batch
 from components.envs.base import ENV_COUNT
 from components.errors import RewardError
+from components.settings import DistillSettings
 
 if TYPE_CHECKING:
     from components.algorithms.presets import ResolvedAlgorithm
@@ -185,10 +186,36 @@ def env_metrics(batch: Batch) -> dict[str, float]:
     return out
 
 
+def distill_advantages(
+    task_adv: torch.Tensor, old: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, d: DistillSettings
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """On-policy distillation's advantages (N, R): coef x (log p_teacher - log p_student) on each sampled
+    token, the negative of the per-token reverse KL estimate, plus task_coef x the task's advantages; and
+    `distill/reverse_kl` (token mean of log p_student - log p_teacher) and `distill/teacher_logprob`.
+
+    >>> adv, m = distill_advantages(torch.tensor([[2.0, 2.0]]), torch.tensor([[-1.0, -3.0]]),
+    ...                             torch.tensor([[-0.5, -1.0]]), torch.ones(1, 2), DistillSettings(1.0, 0.5))
+    >>> adv.tolist(), m["distill/reverse_kl"]
+    ([[1.5, 3.0]], -1.25)
+    """
+    gap = (teacher - old) * mask
+    on = mask.bool()
+    metrics = {
+        "distill/reverse_kl": float(-gap[on].mean()) if on.any() else 0.0,
+        "distill/teacher_logprob": float(teacher[on].mean()) if on.any() else 0.0,
+    }
+    return d.coef * gap + d.task_coef * task_adv, metrics
+
+
 def add_advantages(
-    batch: Batch, algo: ResolvedAlgorithm, kl_coef: float | None = None, kl_kind: str = "k1"
+    batch: Batch,
+    algo: ResolvedAlgorithm,
+    kl_coef: float | None = None,
+    kl_kind: str = "k1",
+    distill: DistillSettings | None = None,
 ) -> tuple[Batch, dict[str, float]]:
-    """Advantages and returns by the resolved algorithm's estimator.
+    """Advantages and returns by the resolved algorithm's estimator (with a teacher, `distill`, those of
+    on-policy distillation: distill_advantages).
 
     kl_coef (use_kl_in_reward) subtracts kl_coef x KL(old, ref) from the token rewards first; the measured
     KL is returned as `actor/reward_kl_penalty` for the adaptive controller. Rows with an invalid reward get
@@ -210,6 +237,9 @@ def add_advantages(
     params = AdvantageParams(norm_adv_by_std=algo.norm_adv_by_std, gamma=algo.gamma, lam=algo.lam)
     adv, returns = ADVANTAGES.get(algo.adv_estimator)(token_rewards, mask, group_ids, values, params)
     on = mask.bool()
+    if distill is not None:  # the teacher's log-probs (prepare) against the student's that sampled
+        adv, distilled = distill_advantages(adv, t["old_logprobs"], t["teacher_logprobs"], mask, distill)
+        metrics.update(distilled)
     metrics.update({**_stats("critic/advantages", adv[on]), **_stats("critic/returns", returns[on])})
     if algo.rollout_correction != "none":  # the engine sampled; the trainer's old log-probs are the target
         adv, corr = correct_advantages(

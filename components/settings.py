@@ -308,6 +308,8 @@ class UpdateSettings:
     loss: PolicyLossParams = field(default_factory=PolicyLossParams)
     autocast_dtype: str | None = None  # "bf16" / "fp16": autocast the update's forward passes
     router_replay: bool = False  # an MoE policy's forwards take the experts the rollout recorded (R3)
+    jsd_coef: float = 0.0  # distill.loss=jsd: weight of GKD's generalised JSD to the teacher in the loss
+    jsd_beta: float = 0.5
 
     @classmethod
     def from_config(cls, cfg: Config, algo: ResolvedAlgorithm) -> UpdateSettings:
@@ -324,6 +326,8 @@ class UpdateSettings:
             loss=PolicyLossParams.from_config(cfg, algo),
             autocast_dtype=cfg.mixed_precision.dtype if cfg.mixed_precision.enabled else None,
             router_replay=cfg.actor.router_replay == "R3",
+            jsd_coef=cfg.distill.coef if cfg.distill.teacher_path and cfg.distill.loss == "jsd" else 0.0,
+            jsd_beta=cfg.distill.jsd_beta,
         )
 
 
@@ -382,6 +386,7 @@ class PolicySettings:
     parallel: ParallelPlan
     critic: CriticConfig | None = None  # None: no critic (the estimator needs no values)
     reference: bool = False  # a frozen reference beside the policy (KL loss or KL in reward, colocated)
+    teacher: ModelConfig | None = None  # on-policy distillation: the teacher, beside the policy
     need_old: bool = False  # old log-probs even on-policy (KL in reward)
     seed: int = 0
     num_threads: int = 2
@@ -405,7 +410,11 @@ class PolicySettings:
             reference=algo.needs_reference and t.ref_placement == "colocate",
             # the correction's target; asynchronous: the PPO ratio is taken to the policy that trains, not the
             # older one that sampled
-            need_old=a.use_kl_in_reward or algo.rollout_correction != "none" or t.async_mode != "sync",
+            need_old=a.use_kl_in_reward
+            or algo.rollout_correction != "none"
+            or t.async_mode != "sync"
+            or cfg.distill.teacher_path is not None,  # distillation's advantages compare the student's
+            teacher=teacher_model(cfg) if cfg.distill.placement == "colocate" else None,
             seed=t.seed,
             num_threads=thread_split(cfg)[1],
             rollout=RolloutSettings.from_config(cfg),
@@ -413,6 +422,30 @@ class PolicySettings:
             lora=LoraSettings.from_config(cfg.actor.lora),
             lora_merge_on_sync=cfg.engine.lora_merge_on_sync,
         )
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    """On-policy distillation (distill.*): the advantage of a token is coef x (teacher - student log-prob)
+    plus task_coef x the estimator's advantage of the task reward."""
+
+    coef: float = 1.0  # the reverse-KL advantages' weight (0 with distill.loss=jsd: the loss carries it)
+    task_coef: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> DistillSettings | None:
+        """None unless a teacher is set."""
+        d = cfg.distill
+        if d.teacher_path is None:
+            return None
+        return cls(d.coef if d.loss == "reverse_kl" else 0.0, d.task_coef)
+
+
+def teacher_model(cfg: Config) -> ModelConfig | None:
+    """The teacher as it is loaded: the actor's model settings at distill.teacher_path (None: no teacher)."""
+    if cfg.distill.teacher_path is None:
+        return None
+    return cfg.actor.model.model_copy(update={"path": cfg.distill.teacher_path})
 
 
 @dataclass(frozen=True)
@@ -429,11 +462,19 @@ class ReferenceSettings:
         """None unless the reference has an actor of its own."""
         if not (algo.needs_reference and cfg.trainer.ref_placement == "separate"):
             return None
+        return cls._of(cfg, cfg.actor.model)
+
+    @classmethod
+    def teacher(cls, cfg: Config) -> ReferenceSettings | None:
+        """On-policy distillation's teacher in an actor of its own (distill.placement=separate), else None:
+        it scores the samples as the separate reference does."""
+        model = teacher_model(cfg)
+        return cls._of(cfg, model) if model is not None and cfg.distill.placement == "separate" else None
+
+    @classmethod
+    def _of(cls, cfg: Config, model: ModelConfig) -> ReferenceSettings:
         return cls(
-            cfg.actor.model,
-            cfg.engine.temperature or 1.0,
-            cfg.actor.ppo_micro_batch_size,
-            cfg.trainer.num_threads,
+            model, cfg.engine.temperature or 1.0, cfg.actor.ppo_micro_batch_size, cfg.trainer.num_threads
         )
 
 
@@ -506,6 +547,7 @@ class Placement:
     overlap: bool = False  # an asynchronous mode: the engine samples while the policy updates
     rollout_resources: dict = field(default_factory=dict)  # custom resources of each engine actor
     backend: str = "ray"  # trainer.backend: Ray actors, or every worker in the driver's process
+    separate_teacher: bool = False  # distill.placement=separate: the teacher takes a worker's resources
     ray_start_timeout_s: float = 120.0  # trainer.ray_start_timeout_s: a local Ray instance's start
 
     @classmethod
@@ -518,6 +560,7 @@ class Placement:
             rollout_resources=dict(t.rollout_resources),
             rollout_placement=t.rollout_placement,
             separate_reference=algo.needs_reference and t.ref_placement == "separate",
+            separate_teacher=cfg.distill.teacher_path is not None and cfg.distill.placement == "separate",
             num_engines=e.num_engines,
             engine_gpus=e.num_gpus
             if e.num_gpus is not None

@@ -23,6 +23,7 @@ def load_checked(path: str | None, overrides: list[str] | None = None) -> Config
         + engine_and_model_problems(cfg)
         + game_data_problems(cfg)
         + router_replay_problems(cfg)
+        + distill_problems(cfg)
     )
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
@@ -157,3 +158,29 @@ def router_replay_problems(cfg: Config) -> list[str]:
                 f"experts in its config.json); train a mixture-of-experts policy (sft.num_experts > 0) {fix}"
             )
     return problems
+
+
+def distill_problems(cfg: Config) -> list[str]:
+    """A preset that distils needs a teacher; a teacher must share the student's tokenizer (checked here when
+    both directories exist, else when the policy worker loads them)."""
+    from components.algorithms.presets import PRESETS_NEEDING_A_TEACHER
+
+    d = cfg.distill
+    if d.teacher_path is None:
+        if cfg.algorithm.name in PRESETS_NEEDING_A_TEACHER:
+            return [
+                f"algorithm.name={cfg.algorithm.name} distils from a teacher: set distill.teacher_path to a "
+                "local model directory with the student's tokenizer"
+            ]
+        return []
+    student, teacher = Path(cfg.actor.model.path), Path(d.teacher_path)
+    if not (student / "config.json").is_file() or not (teacher / "config.json").is_file():
+        return []
+    from components.errors import ReinforgeError
+    from components.models.loading import teacher_tokenizer_problem
+
+    try:
+        problem = teacher_tokenizer_problem(student, teacher, cfg.actor.model.trust_remote_code)
+    except ReinforgeError as exc:
+        return [str(exc)]
+    return [problem] if problem else []

@@ -186,22 +186,28 @@ def keep_informative(rounds: list[Batch], n_groups: int) -> tuple[Batch, int]:
 @stage(name="old-log-prob")
 def prepare_batch(workers: Workers, batch: Batch) -> tuple[Batch, dict[str, float]]:
     """Old and reference log-probs and critic values, when the advantages or the update need them; with
-    per-stage seconds. A separate reference actor (trainer.ref_placement=separate) computes its log-probs."""
-    if workers.reference is not None:
-        start = time.perf_counter()
-        batch = batch.union(ref_logprobs=workers.reference.logprobs(batch))
-        ref_s = time.perf_counter() - start
-        batch, timings = workers.policy.prepare(batch)
-        return batch, {**timings, "timing_s/ref": ref_s}
-    return workers.policy.prepare(batch)
+    per-stage seconds. A separate reference actor (trainer.ref_placement=separate) computes its log-probs, a
+    separate distillation teacher (distill.placement=separate) its."""
+    own = {}
+    for key, group, timing in (
+        ("ref_logprobs", workers.reference, "timing_s/ref"),
+        ("teacher_logprobs", workers.teacher, "timing_s/teacher"),
+    ):
+        if group is not None:
+            start = time.perf_counter()
+            batch = batch.union(**{key: group.logprobs(batch)})
+            own[timing] = time.perf_counter() - start
+    batch, timings = workers.policy.prepare(batch)
+    return batch, {**timings, **own}
 
 
 @stage(name="adv")
 def compute_advantages(
     batch: Batch, plan: RunPlan, kl_coef: float | None = None
 ) -> tuple[Batch, dict[str, float]]:
-    """Advantages by the preset's estimator; kl_coef subtracts the KL to the reference from the rewards."""
-    return add_advantages(batch, plan.algorithm, kl_coef, plan.rewards.kl_penalty)
+    """Advantages by the preset's estimator; kl_coef subtracts the KL to the reference from the rewards; a
+    teacher (plan.distill) makes them on-policy distillation's."""
+    return add_advantages(batch, plan.algorithm, kl_coef, plan.rewards.kl_penalty, plan.distill)
 
 
 @stage(name="update-critic")

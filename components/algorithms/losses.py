@@ -5,6 +5,7 @@ Shapes: every per-token tensor is (B, T); response_mask is 1 on generated tokens
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -257,6 +258,27 @@ def gpg(logp, old_logp, advantages, mask, p: PolicyLossParams, agg: AggParams):
     per_token = -advantages * logp
     none = torch.zeros_like(mask, dtype=torch.bool)
     return agg_loss(per_token, mask, p.agg_mode, agg), _ratio_metrics(mask, agg, logp - old_logp, none, none)
+
+
+def generalized_jsd(student: torch.Tensor, teacher: torch.Tensor, beta: float) -> torch.Tensor:
+    """GKD's generalised Jensen-Shannon divergence (arXiv 2306.13649) per position, over the vocabulary.
+
+    student, teacher: log-probabilities (N, R, V). With M = beta P_T + (1 - beta) P_S:
+    JSD_beta = beta KL(P_T || M) + (1 - beta) KL(P_S || M); at the ends (as TRL's GKDTrainer) beta = 0 is the
+    forward KL(P_T || P_S) and beta = 1 the reverse KL(P_S || P_T). Returns (N, R).
+
+    >>> p = torch.log(torch.tensor([[[0.5, 0.5]]])); q = torch.log(torch.tensor([[[0.9, 0.1]]]))
+    >>> round(float(generalized_jsd(p, q, 1.0)), 4), round(float(generalized_jsd(p, p, 0.5)), 4)
+    (0.5108, 0.0)
+    """
+    if beta == 0:
+        return (teacher.exp() * (teacher - student)).sum(-1)
+    if beta == 1:
+        return (student.exp() * (student - teacher)).sum(-1)
+    mixture = torch.logsumexp(torch.stack([teacher + math.log(beta), student + math.log(1 - beta)]), dim=0)
+    kl_teacher = (teacher.exp() * (teacher - mixture)).sum(-1)
+    kl_student = (student.exp() * (student - mixture)).sum(-1)
+    return beta * kl_teacher + (1 - beta) * kl_student
 
 
 def value_loss(

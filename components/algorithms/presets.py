@@ -57,7 +57,10 @@ PRESETS: dict[str, dict] = {
     "kl_cov": {"policy_loss": "kl_cov"},
     # GPG (arXiv 2504.02546): plain policy gradient, no std division, alpha-corrected group baseline
     "gpg": {"adv_estimator": "gpg", "policy_loss": "gpg", "norm_adv_by_std": False},
+    # on-policy distillation: GRPO's knobs, the advantages made by the teacher (distill.*, required)
+    "opd": {},
 }
+PRESETS_NEEDING_A_TEACHER = ("opd",)
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ class AlgorithmConfig(Section):
     name: str = Field(
         "grpo",
         description="preset: grpo, ppo, dr_grpo, dapo, rloo, reinforce_plus_plus(_baseline), remax, gspo, "
-        "sapo, gmpo, clip_cov, kl_cov, gpg",
+        "sapo, gmpo, clip_cov, kl_cov, gpg, opd",
     )
     adv_estimator: str | None = Field(None, description="advantage estimator; None = the preset's")
     norm_adv_by_std: bool | None = Field(
@@ -841,6 +841,45 @@ class MixedPrecisionConfig(Section):
     )
 
 
+class DistillConfig(Section):
+    """On-policy distillation (docs/algorithms.md): the policy (the student) samples, a teacher scores every
+    sampled token, and the per-token advantage is coef x (log p_teacher - log p_student), the negative
+    reverse KL, plus task_coef x the task reward's advantage. On when teacher_path is set (algorithm.name=opd
+    is GRPO's knobs with the teacher required)."""
+
+    teacher_path: str | None = Field(
+        None,
+        description="local Hugging Face model directory of the teacher (its tokenizer must be the student's)",
+    )
+    coef: float = Field(1.0, ge=0, description="weight of the per-token reverse-KL advantage")
+    task_coef: float = Field(
+        0.0, ge=0, description="weight of the task reward's advantage (0 = pure distillation)"
+    )
+    loss: Literal["reverse_kl", "jsd"] = Field(
+        "reverse_kl",
+        description="reverse_kl: coef x (log p_teacher - log p_student) of each sampled token is its advantage; "
+        "jsd: GKD's generalised JSD over the whole vocabulary at each of the student's positions, coef x it "
+        "added to the loss (needs the teacher beside the policy)",
+    )
+    jsd_beta: float = Field(
+        0.5, ge=0, le=1, description="jsd: 0 = forward KL(teacher || student), 1 = reverse KL, between: JSD"
+    )
+    placement: Literal["colocate", "separate"] = Field(
+        "colocate",
+        description="the teacher beside the policy in each policy worker, or in a Ray actor of its own "
+        "(reverse_kl only: jsd reads its whole distributions in the update)",
+    )
+
+    @model_validator(mode="after")
+    def _jsd_beside_the_policy(self) -> DistillConfig:
+        if self.loss == "jsd" and self.placement == "separate":
+            raise ValueError(
+                "distill.loss=jsd needs the teacher's whole distributions in the update: set "
+                "distill.placement=colocate, or use distill.loss=reverse_kl with the teacher in its own actor"
+            )
+        return self
+
+
 class Config(Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="RL algorithm")
     actor: ActorConfig = Field(default_factory=ActorConfig, description="policy and its optimizer")
@@ -855,6 +894,7 @@ class Config(Section):
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="tool-calling rollouts")
     data: DataConfig = Field(default_factory=DataConfig, description="datasets")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="supervised warm start")
+    distill: DistillConfig = Field(default_factory=DistillConfig, description="on-policy distillation")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="loop, seeds, outputs")
     memory_optim: MemoryOptimConfig = Field(default_factory=MemoryOptimConfig, description="memory options")
     mixed_precision: MixedPrecisionConfig = Field(

@@ -99,6 +99,7 @@ STAGES: dict[str, StageKeys] = {
             "custom_reward_function",
             "sandbox",
             "multi_turn",
+            "distill",
             "data.batch_size",
             "data.shuffle",
             *PROMPT_KEYS,

@@ -10,6 +10,7 @@ one fixed game, told apart from the others by its seed, not its opening (all ope
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 
@@ -81,7 +82,9 @@ def rows(game: str, num_train: int, num_eval: int, max_turns: int, seed: int) ->
     held-out games (their openings). A row's ground truth is its game's number, found by playing the game to
     its end: the fallback scorer's truth for an episode the game leaves unrewarded."""
     from components.data.formats import make_row
+    from components.envs.textarena import TextArenaGame
 
+    @functools.cache  # a game's moves are rows of their own: play it to its end once
     def number(game_seed: int) -> str:
         messages, _, won = play(game, game_seed, DEMONSTRATORS[game](None), None)
         return messages[-1]["content"].strip("[]") if won else ""  # the winning move
@@ -105,6 +108,5 @@ def rows(game: str, num_train: int, num_eval: int, max_turns: int, seed: int) ->
     test = []
     for i in range(num_eval):
         game_seed = seed + SPLIT_SEEDS["test"] + i
-        opening, _, _ = play(game, game_seed, lambda said: "", 0)
-        test.append(row("test", i, opening, "", game_seed))
+        test.append(row("test", i, TextArenaGame(game).reset({}, game_seed), "", game_seed))
     return train, test

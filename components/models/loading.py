@@ -488,3 +488,20 @@ def load_image_encoder(
 
     processor = load_processor(path, tokenizer, key, trust_remote_code)
     return ImageEncoder(processor, processor_image_tokens(processor))
+
+
+def teacher_tokenizer_problem(
+    student_path: str | Path, teacher_path: str | Path, trust_remote_code: bool = False
+) -> str | None:
+    """Why the teacher at `teacher_path` cannot score the student's tokens (None: it can): distillation
+    compares the two models' log-probs of the same token ids, so their vocabularies must be one."""
+    student = load_tokenizer(student_path, "actor.model.path", trust_remote_code)
+    teacher = load_tokenizer(teacher_path, "distill.teacher_path", trust_remote_code)
+    if student.get_vocab() != teacher.get_vocab() or student.eos_token_id != teacher.eos_token_id:
+        return (
+            f"distill.teacher_path={teacher_path}: its tokenizer is not the student's (actor.model.path="
+            f"{student_path}: {len(student)} tokens against {len(teacher)}, or other ids); on-policy "
+            "distillation scores the student's token ids with the teacher, so use a teacher of the same "
+            "tokenizer"
+        )
+    return None

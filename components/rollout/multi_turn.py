@@ -109,10 +109,11 @@ def conversation_ids(
     after: list[dict] = []
     for message in [*messages[first:], None]:  # None: the end, which flushes the last answers
         if message is not None and message["role"] != "assistant":
-            after.append({**message, "content": str(message["content"])[:max_obs_chars]})
+            after.append(message)
             continue
-        if after:
-            ids += tokenizer(turns_after_reply(tokenizer, after, True), add_special_tokens=False)["input_ids"]
+        if after:  # the answers as the rollout appends an environment's messages
+            text = observation_text(tokenizer, Step(observation=after), max_obs_chars, True)
+            ids += tokenizer(text, add_special_tokens=False)["input_ids"]
             after = []
         if message is not None:
             ids += tokenizer(message["content"], add_special_tokens=False)["input_ids"]

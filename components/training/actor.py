@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from components.algorithms.losses import POLICY_LOSSES, AggParams, agg_loss, kl_penalty
+from components.algorithms.losses import (
+    POLICY_LOSSES,
+    AggParams,
+    agg_loss,
+    generalized_jsd,
+    kl_penalty,
+)
 from components.batch import Batch
 from components.models.moe import Routing, RoutingStats
 from components.settings import UpdateSettings
@@ -20,7 +26,9 @@ from components.training.logprobs import (
     logits_logprobs,
     moe_routes,
     response_attention,
+    response_distributions,
     response_logprobs,
+    sequence_logits,
     vision_inputs,
 )
 from components.training.loop import minibatch_update, row_chunks
@@ -48,8 +56,9 @@ class PolicyTrainer:
         comm: Comm | None = None,
         scaler: torch.amp.GradScaler | None = None,
         pipeline=None,
+        teacher: PreTrainedModel | None = None,
     ):
-        self.model, self.ref_model = model, ref_model
+        self.model, self.ref_model, self.teacher = model, ref_model, teacher
         self.optimizer, self.scheduler, self.s = optimizer, scheduler, settings
         self.comm, self.scaler = comm or Comm(), scaler
         self.pipeline = pipeline  # a pipeline stage (components/training/pipeline_parallel.py), or None
@@ -110,7 +119,8 @@ class PolicyTrainer:
 
     def prepare(self, batch: Batch, need_old: bool = False) -> Batch:
         """Add what the update needs and the batch lacks: old (behaviour) log-probs when off-policy or asked,
-        and reference log-probs when a reference is loaded. Computed once, before any update."""
+        reference log-probs when a reference is loaded, a distillation teacher's when one is. Computed once,
+        before any update."""
         t, extra = batch.tensors, {}
         # an MoE rollout's routes: this pass, with the weights before any step, measures the routing agreement
         need_old = need_old or "prompt_routes" in t
@@ -118,12 +128,41 @@ class PolicyTrainer:
             extra["old_logprobs"] = self.logprobs(batch)
         if "ref_logprobs" not in t and self.ref_model is not None:
             extra["ref_logprobs"] = self.logprobs(batch, reference=True)
+        if "teacher_logprobs" not in t and self.teacher is not None:  # on-policy distillation's scores
+            extra["teacher_logprobs"] = batch_logprobs(
+                self.teacher, batch, self.s.temperature, self.s.loop.micro_batch_size
+            )
         return batch.union(**extra) if extra else batch
 
     def _micro_loss(self, mb: Batch, agg: AggParams) -> tuple[torch.Tensor, dict]:
+        if self.s.jsd_coef:
+            return self._distilled_loss(mb, agg)
         with autocast(self.model, self.s.autocast_dtype):
             logp, entropy = self._logprobs(self.model, mb, entropy=True)
         return self.loss_from_logprobs(mb.tensors, logp, entropy, agg)
+
+    def _distilled_loss(self, mb: Batch, agg: AggParams) -> tuple[torch.Tensor, dict]:
+        """distill.loss=jsd (GKD on the student's own samples): the loss plus jsd_coef x the generalised JSD
+        between the teacher's and the student's whole distributions at each response position."""
+        t = mb.tensors
+        args = (t["prompts"], t["prompt_mask"], t["responses"], response_attention(t))
+        with autocast(self.model, self.s.autocast_dtype):
+            logits = sequence_logits(self.model, *args, **vision_inputs(t), routing=self.routing(t))
+        student = response_distributions(logits, t["responses"], self.s.temperature)
+        with torch.no_grad():
+            teacher = response_distributions(
+                sequence_logits(self.teacher, *args, **vision_inputs(t)), t["responses"], self.s.temperature
+            )
+        logp = student.gather(-1, t["responses"][..., None]).squeeze(-1)
+        entropy = -(student.exp() * student).sum(-1)
+        loss, metrics = self.loss_from_logprobs(t, logp, entropy, agg)
+        jsd = agg_loss(
+            generalized_jsd(student, teacher, self.s.jsd_beta),
+            t["response_mask"].float(),
+            self.s.loss.agg_mode,
+            agg,
+        )
+        return loss + self.s.jsd_coef * jsd, {**metrics, "distill/jsd": jsd.detach()}
 
     def loss_from_logprobs(
         self, t: dict[str, torch.Tensor], logp: torch.Tensor, entropy: torch.Tensor, agg: AggParams

@@ -25,6 +25,7 @@ from components.training.ray_workers import (
     RewardModelActor,
     RolloutGroup,
     Started,
+    TeacherActor,
     Workers,
 )
 from components.training.transport import LOCAL, LocalActor, ThreadedActor
@@ -67,6 +68,8 @@ def start_local_workers(plan: RunPlan, started: Started | None = None) -> Worker
     workers = Workers(policy, rollout, rewards)
     if plan.reference is not None:
         workers.reference = _group(ReferenceActor, ReferenceWorker(plan.reference), timeout, started)
+    if plan.teacher is not None:
+        workers.teacher = _group(TeacherActor, ReferenceWorker(plan.teacher), timeout, started)
     if p.reward_model:
         from components.rewards.reward_model import RewardModelScorer
 

@@ -61,6 +61,20 @@ def response_logprobs(
     row's image as `pixel_values` (N, C, H, W); its image tokens are part of the prompt. An MoE policy's
     forward replays (or compares with) the rollout's routes when `routing` is given (components/models/moe.py).
     """
+    logits = sequence_logits(model, prompts, prompt_mask, responses, response_mask, pixel_values, routing)
+    return logits_logprobs(logits, responses, temperature, with_entropy, image_token_id(model))
+
+
+def sequence_logits(
+    model: PreTrainedModel,
+    prompts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    pixel_values: torch.Tensor | None = None,
+    routing: Routing | None = None,
+) -> torch.Tensor:
+    """The logits (N, P+R, V) of the model's forward over prompt + response (see response_logprobs)."""
     ids, mask, positions = sequence_inputs(prompts, prompt_mask, responses, response_mask)
     images = {"pixel_values": pixel_values} if pixel_values is not None else {}
     routed = (
@@ -69,10 +83,19 @@ def response_logprobs(
         else nullcontext()
     )
     with routed:
-        logits = model(
+        return model(
             input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **images
         ).logits
-    return logits_logprobs(logits, responses, temperature, with_entropy, image_token_id(model))
+
+
+def response_distributions(logits: torch.Tensor, responses: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The log-softmax (N, R, V) over the vocabulary at each response position, from the logits (N, P+R, V)
+    of prompt + response: the distributions the response tokens were drawn from (temperature-scaled)."""
+    P, R = logits.shape[1] - responses.shape[1], responses.shape[1]
+    scaled = logits[:, P - 1 : P + R - 1, :].float()
+    if temperature not in (0, 1):
+        scaled = scaled / temperature
+    return torch.log_softmax(scaled, dim=-1)
 
 
 def logits_logprobs(

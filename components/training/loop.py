@@ -37,6 +37,7 @@ TOKEN_KEYS = (
     "rollout_logprobs",
     "old_logprobs",
     "ref_logprobs",
+    "teacher_logprobs",
     "advantages",
     "returns",
     "token_rewards",

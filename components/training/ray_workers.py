@@ -257,6 +257,12 @@ class ReferenceActor(Actors):
         return self.wait([self.actors[0].logprobs.remote(batch)], "logprobs")[0]
 
 
+class TeacherActor(ReferenceActor):
+    """On-policy distillation's teacher in an actor of its own: its log-probs of the samples."""
+
+    role = "teacher"
+
+
 class RewardModelActor(Actors):
     role = "reward_model"
 
@@ -307,9 +313,10 @@ class Workers:
         rewards: RewardGroup,
         reference: ReferenceActor | None = None,
         reward_model: RewardModelActor | None = None,
+        teacher: TeacherActor | None = None,
     ):
         self.policy, self.rollout, self.rewards = policy, rollout, rewards
-        self.reference, self.reward_model = reference, reward_model
+        self.reference, self.reward_model, self.teacher = reference, reward_model, teacher
 
     def push_weights(self) -> int:
         """The policy's weights into every engine (colocated: only the version moves); returns the version."""
@@ -354,7 +361,7 @@ class Workers:
         return stale
 
     def stop(self) -> None:
-        extra = [g for g in (self.reference, self.reward_model) if g is not None]
+        extra = [g for g in (self.reference, self.reward_model, self.teacher) if g is not None]
         for group in [self.policy, *([] if self.rollout.colocated else [self.rollout]), self.rewards, *extra]:
             group.stop()
 
@@ -370,7 +377,9 @@ def workers_that_fit(plan: RunPlan) -> int:
     # the rollout actors take a CPU between them, a separate reference actor one worker's resources
     fits = min(
         [
-            int((total.get(k, 0.0) - (1.0 if k == "CPU" else 0.0)) // v) - placement.separate_reference
+            int((total.get(k, 0.0) - (1.0 if k == "CPU" else 0.0)) // v)
+            - placement.separate_reference
+            - placement.separate_teacher
             for k, v in need.items()
         ]
         or [placement.num_workers]
@@ -559,13 +568,19 @@ def _start_workers(plan: RunPlan, started: Started) -> Workers:
     workers = Workers(policy, rollout, start_reward_group(plan.rewards, started))
     if plan.reference is not None:
         workers.reference = _start_reference(plan.reference, p, timeout, started)
+    if plan.teacher is not None:
+        workers.teacher = _start_reference(plan.teacher, p, timeout, started, TeacherActor)
     if p.reward_model:
         workers.reward_model = _start_reward_model(p, plan.policy.num_threads, timeout, started)
     return workers
 
 
 def _start_reference(
-    settings: ReferenceSettings, placement: Placement, timeout_s: float, started: Started
+    settings: ReferenceSettings,
+    placement: Placement,
+    timeout_s: float,
+    started: Started,
+    group: type[ReferenceActor] = ReferenceActor,
 ) -> ReferenceActor:
     num_cpus, num_gpus, res = _split_resources(placement.worker_resources)
     actor = started.record(
@@ -573,7 +588,7 @@ def _start_reference(
             ReferenceWorker
         ).remote(settings)
     )
-    return ReferenceActor([actor], [ray.get(actor.pid.remote())], timeout_s)
+    return group([actor], [ray.get(actor.pid.remote())], timeout_s)
 
 
 def _start_reward_model(

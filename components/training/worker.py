@@ -14,8 +14,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from components.batch import Batch
-from components.errors import CheckpointError
-from components.models.loading import load_image_encoder, load_model, load_tokenizer, save_pretrained
+from components.errors import CheckpointError, ConfigError
+from components.models.loading import (
+    load_image_encoder,
+    load_model,
+    load_tokenizer,
+    save_pretrained,
+    teacher_tokenizer_problem,
+)
 from components.models.lora import (
     ADAPTER_WEIGHTS,
     AdaptersOff,
@@ -166,13 +172,39 @@ class PolicyWorker:
         settings = update_for(s, spec.world_size)
         opt, sched = self._optimizer(self.model, s.optimizer, s.model)
         self.trainer = PolicyTrainer(
-            self.model, ref, opt, sched, settings, self.comm, make_scaler(s, self.model), self.pipeline
+            self.model,
+            ref,
+            opt,
+            sched,
+            settings,
+            self.comm,
+            make_scaler(s, self.model),
+            self.pipeline,
+            self._teacher(),
         )
         self.critic = self._make_critic(settings) if s.critic is not None else None
         self.compression = self._compression()
         self.need_old = s.need_old
         self.version = 0
         return os.getpid()
+
+    def _teacher(self):
+        """On-policy distillation's teacher, frozen beside the policy; refused in one line when its tokenizer
+        is not the student's (the config check cannot tell when the student is yet to be trained)."""
+        t = self.s.teacher
+        if t is None:
+            return None
+        problem = teacher_tokenizer_problem(self.s.model.path, t.path, t.trust_remote_code)
+        if problem:
+            raise ConfigError(problem)
+        model = load_model(
+            t.path,
+            t.dtype,
+            t.attention_implementation,
+            "distill.teacher_path",
+            trust_remote_code=t.trust_remote_code,
+        )
+        return model.eval().requires_grad_(False)
 
     @staticmethod
     def _optimizer(model: torch.nn.Module, ocfg, mcfg=None):

@@ -291,3 +291,35 @@ def test_a_mixtures_figures_are_each_environments_own():
         "env/textarena/game_won": 0.5,
         "env/textarena/context_full": 0.5,
     }
+
+
+def test_sampled_reverse_kl_advantages_bring_a_student_to_its_teacher():
+    """distill_advantages' per-token signal through the PPO loss is the gradient of the reverse KL: a
+    categorical student fed its own seeded samples reaches the teacher (KL 0.58 -> below 0.01 in 200 steps)."""
+    from components.algorithms.losses import AggParams, vanilla_ppo
+    from components.rl import distill_advantages
+    from components.settings import DistillSettings, PolicyLossParams
+
+    torch.manual_seed(0)
+    teacher = torch.tensor([0.7, 0.1, 0.1, 0.05, 0.05]).log()
+    logits = torch.zeros(5, requires_grad=True)
+    opt = torch.optim.Adam([logits], lr=1e-2)
+
+    def kl() -> float:
+        lp = torch.log_softmax(logits, -1).detach()
+        return float((lp.exp() * (lp - teacher)).sum())
+
+    start = kl()
+    for _ in range(200):
+        logp_all = torch.log_softmax(logits, -1)
+        tokens = torch.multinomial(logp_all.exp().detach(), 64, replacement=True)[None]  # (1, 64)
+        logp = logp_all[tokens]
+        mask = torch.ones_like(logp)
+        adv, _ = distill_advantages(
+            torch.zeros_like(logp), logp.detach(), teacher[tokens], mask, DistillSettings()
+        )
+        loss, _ = vanilla_ppo(logp, logp.detach(), adv, mask, PolicyLossParams(), AggParams(64, 1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert start > 0.5 and kl() < 0.01, (start, kl())

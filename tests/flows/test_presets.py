@@ -39,6 +39,7 @@ OWN_METRICS = {
         "rollout_corr/offpolicy_mask_frac",
         "rollout_corr/seq_masked_frac",
     ],
+    "opd": ["distill/reverse_kl", "distill/teacher_logprob"],
 }
 EXTRA = {  # exercise the KL paths too: in the reward (adaptive) with PPO, in the loss with GRPO
     "ppo": [
@@ -50,13 +51,15 @@ EXTRA = {  # exercise the KL paths too: in the reward (adaptive) with PPO, in th
     "grpo": ["algorithm.kl_loss_coef=0.04"],
     "rloo": ["algorithm.rollout_correction.mode=tis"],  # engine vs trainer correction, in a sync run
     "sapo": ["algorithm.rollout_correction.mode=icepop+geo_mis+offpolicy_mask"],  # the masks, combined
+    "opd": ["distill.teacher_path={model}"],  # the policy's own directory teaches it: the KL is 0
 }
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_preset_trains_without_nan(local_root, tiny_model_dir, preset):
     root = local_root
-    extra = [f"algorithm.name={preset}", f"trainer.iterations={ITERATIONS}", *EXTRA.get(preset, [])]
+    own = [e.format(model=tiny_model_dir) for e in EXTRA.get(preset, [])]
+    extra = [f"algorithm.name={preset}", f"trainer.iterations={ITERATIONS}", *own]
     info = run_locally(overrides(root, preset, tiny_model_dir, *extra))
     client = MlflowClient(f"sqlite:///{root}/mlflow.db")
     run = client.get_run(info["run_id"])

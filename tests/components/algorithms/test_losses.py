@@ -433,3 +433,19 @@ def test_a_bad_loss_setting_names_its_key(override, message):
 
     with pytest.raises(ConfigError, match=message):
         load_checked("configs/arith_grpo.yaml", [override])
+
+
+def test_the_generalised_jsd_against_a_hand_computed_case():
+    from components.algorithms.losses import generalized_jsd
+
+    s_p, t_p = torch.tensor([0.5, 0.5]), torch.tensor([0.9, 0.1])
+    student, teacher = s_p.log()[None, None], t_p.log()[None, None]
+    m = 0.5 * s_p + 0.5 * t_p  # [0.7, 0.3]
+    kl = lambda p, q: float((p * (p / q).log()).sum())  # noqa: E731
+    half = 0.5 * kl(t_p, m) + 0.5 * kl(s_p, m)
+    assert math.isclose(float(generalized_jsd(student, teacher, 0.5)), half, rel_tol=1e-5)
+    assert math.isclose(float(generalized_jsd(student, teacher, 0.0)), kl(t_p, s_p), rel_tol=1e-5)
+    assert math.isclose(float(generalized_jsd(student, teacher, 1.0)), kl(s_p, t_p), rel_tol=1e-5)
+    # beta -> 0 and -> 1 approach the ends' KLs divided away (JSD_beta / beta -> KL(T || S) as beta -> 0)
+    assert math.isclose(float(generalized_jsd(student, teacher, 1e-4)) / 1e-4, kl(t_p, s_p), rel_tol=1e-2)
+    assert float(generalized_jsd(student, student, 0.3)) == pytest.approx(0.0, abs=1e-7)
