@@ -63,7 +63,7 @@ class PolicyTrainer:
         self.comm, self.scaler = comm or Comm(), scaler
         self.pipeline = pipeline  # a pipeline stage (components/training/pipeline_parallel.py), or None
         self.steps = 0
-        self.route_stats = RoutingStats()  # an MoE policy's agreement with the rollout's routes, this update
+        self.route_stats = RoutingStats()  # an MoE policy's agreement with the rollout's routes, this batch
 
     def routing(self, t: dict[str, torch.Tensor], stats: RoutingStats | None = None) -> Routing | None:
         """The policy's forwards over these rows replay the rollout's routes (R3), or leave them be; `stats`
@@ -191,7 +191,6 @@ class PolicyTrainer:
 
     def update(self, batch: Batch) -> dict[str, float]:
         """One RL update on `batch` (needs prompts, prompt_mask, responses, response_mask, advantages)."""
-        self.route_stats = RoutingStats()
         batch = self.prepare(batch)
         self.model.train()
         metrics = minibatch_update(
@@ -214,6 +213,7 @@ class PolicyTrainer:
             metrics["actor/kl_coef"] = self.s.beta
         if self.route_stats.total:  # (token, layer) pairs where the trainer's router chose as the rollout's
             metrics["moe/routing_agreement"] = self.route_stats.agreement()
+        self.route_stats = RoutingStats()  # counted from this batch's prepare, whoever called it, to here
         self.steps += 1
         self.model.eval()
         return metrics
