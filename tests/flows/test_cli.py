@@ -260,12 +260,13 @@ def test_evaluate_of_one_model_without_its_data_is_refused_before_any_import(cap
     assert "required with --model_path" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command", ["train", "config show"])
-def test_an_unknown_preset_knob_is_one_line_in_every_command_that_resolves_the_config(command, capsys):
-    """`config show` resolved the preset without the checks `train` runs: a KeyError's traceback, exit 1."""
+def test_an_unknown_preset_knob_is_one_line_in_config_show_as_in_train(capsys):
+    """`config show` resolved the preset without the checks `train` runs: a KeyError's traceback, exit 1.
+    (Not `train` in this process: it starts the run's Prefect server before it checks the config, and the
+    server's address would stay in this worker's environment for the tests after it.)"""
     from flows.cli import main
 
-    assert main([*command.split(), "--config", "configs/arith_grpo.yaml", "algorithm.policy_loss=sapoo"]) == 2
+    assert main(["config", "show", "--config", "configs/arith_grpo.yaml", "algorithm.policy_loss=sapoo"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "algorithm.policy_loss=sapoo: unknown policy loss" in err, err
     assert "Traceback" not in err
